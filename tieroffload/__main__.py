@@ -11,7 +11,7 @@ import time
 import torch
 
 from . import aio
-from .units import drop_page_cache, format_bytes, parse_bytes
+from .sizes import drop_page_cache, format_bytes, parse_bytes
 
 
 def roundtrip(directory: str, backend: str, total: int, tensor_bytes: int) -> tuple[float, float]:

@@ -8,6 +8,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from .sizes import parse_bytes
+
 
 @dataclass(frozen=True)
 class IOConfig:
@@ -55,3 +59,66 @@ class IOConfig:
         from . import aio
 
         return aio.Engine(self.backend, self.queue_depth, self.block_size, self.threads)
+
+
+TIERS = ("gpu", "cpu", "nvme")
+
+
+def _budget(name: str, value: int | str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Where an offloaded model's tensors live and how they move.
+
+    ``params``: the tier that holds the parameters ("gpu", "cpu" or "nvme"). ``device``: where
+    compute runs (default: cuda when present, else cpu). ``nvme_dir``: directory of the swap
+    space (needed for "nvme"). ``gpu_budget`` / ``cpu_budget``: bytes (or "2GiB") of parameters
+    that may be resident on the compute device at once; default: what the prefetch window needs.
+    ``prefetch``: how far ahead to fetch along the recorded order: a number of units, or bytes
+    given as a string ("512MiB"). ``io``: engine settings (an ``IOConfig`` or its dict).
+    """
+
+    params: str = "cpu"
+    device: str | None = None
+    nvme_dir: str | None = None
+    gpu_budget: int | str | None = None
+    cpu_budget: int | str | None = None
+    prefetch: int | str = 2
+    io: IOConfig | dict = dataclasses.field(default_factory=IOConfig)
+
+    def __post_init__(self) -> None:
+        if self.params not in TIERS:
+            raise ValueError(f"params must be one of {TIERS}, not {self.params!r}")
+        if self.params == "nvme" and not self.nvme_dir:
+            raise ValueError('params="nvme" needs nvme_dir, the directory for the swap space')
+        set_ = object.__setattr__  # frozen: normalise once, here
+        set_(self, "gpu_budget", _budget("gpu_budget", self.gpu_budget))
+        set_(self, "cpu_budget", _budget("cpu_budget", self.cpu_budget))
+        if isinstance(self.io, dict):
+            set_(self, "io", IOConfig.from_dict(self.io))
+        if isinstance(self.prefetch, str):
+            _budget("prefetch", self.prefetch)
+        elif isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
+                or self.prefetch < 0:
+            raise ValueError(f"prefetch must be a number of units >= 0 or a size such as "
+                             f"'256MiB', not {self.prefetch!r}")
+        if self.device is not None:
+            set_(self, "device", str(self.device))
+
+    def compute_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def prefetch_window(self) -> tuple[int, int | None]:
+        """(units, bytes or None) ahead to prefetch."""
+        if isinstance(self.prefetch, str):
+            return 1 << 30, parse_bytes(self.prefetch)
+        return self.prefetch, None

@@ -1,0 +1,451 @@
+"""``offload(model, policy)``: parameters live in a lower tier and are brought to the compute
+device just ahead of the module that needs them, by forward and backward hooks.
+
+Per-model state lives in one ``OffloadState`` (``model._tieroffload``). The model is changed in
+place and keeps its ``nn.Parameter`` objects, so optimizers built before or after see the same
+parameters.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import logging
+import os
+import weakref
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils._pytree import tree_flatten
+
+from .policy import Policy
+from .scheduler import Scheduler
+from .sizes import format_bytes
+from .swap import SwapSpace, stable_tag
+from .tiers import Mover, NvmeHome, RamHome, State, Stats, Unit
+
+log = logging.getLogger("tieroffload")
+
+CHUNK = 16 << 20  # staging chunk: NVMe sees I/Os this large
+NBUF = 4          # staging buffers: the fixed overhead is CHUNK * NBUF
+
+_live: weakref.WeakSet[OffloadState] = weakref.WeakSet()
+_warned_step = False
+
+
+def _returns_memory_to_os() -> None:
+    """glibc keeps freed large blocks in its heap once its mmap threshold has grown; fixing the
+    threshold makes every parameter-sized block an mmap, so that eviction really lowers RSS."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def _check_param(module_name: str, name: str, p: nn.Parameter) -> None:
+    nbytes = p.numel() * p.element_size()
+    where = f"{module_name + '.' if module_name else ''}{name}"
+    if type(p) is not nn.Parameter:
+        raise TypeError(f"tieroffload cannot offload parameter {where!r} ({nbytes} bytes): its "
+                        f"type {type(p).__name__} is a tensor subclass, not nn.Parameter")
+    if p.layout is not torch.strided or p.is_quantized:
+        raise TypeError(f"tieroffload cannot offload parameter {where!r} ({nbytes} bytes): "
+                        f"layout {p.layout}{', quantized' if p.is_quantized else ''} is not a "
+                        "dense strided tensor")
+    if p.device.type not in ("cpu", "cuda", "meta"):
+        raise TypeError(f"tieroffload cannot offload parameter {where!r} ({nbytes} bytes) on "
+                        f"device {p.device}")
+
+
+class OffloadState:
+    """Everything tieroffload keeps for one wrapped model."""
+
+    def __init__(self, model: nn.Module, policy: Policy,
+                 io_delay: Callable[[], None] | None = None) -> None:
+        self.policy = policy
+        self.device = policy.compute_device()
+        self.stats = Stats()
+        self._handles: list[Any] = []
+        self._bwd_pins: dict[int, int] = {}
+        self._bwd_callback_queued = False
+        self._opt_pins: dict[int, list[Unit]] = {}
+        self._grads_seen: dict[int, int] = {}
+        self.swap: SwapSpace | None = None
+        self.engine = None
+        self.mover: Mover | None = None
+
+        if policy.params == "gpu" and self.device.type != "cuda":
+            raise ValueError('params="gpu" needs a CUDA compute device; this one is '
+                             f"{self.device}")
+        self.offloaded = policy.params == "nvme" or (policy.params == "cpu"
+                                                     and self.device.type == "cuda")
+        self.units, self.module_units = self._build_units(model)
+        self.param_unit = {id(s.param): u for u in self.units for s in u.segments}
+        largest = max(self.units, key=lambda u: u.nbytes, default=None)
+        self.budget = self._check_budget(largest)
+
+        if not self.offloaded:
+            # Resident tier: the parameters stay where compute is; nothing moves.
+            for p in model.parameters():
+                if p.device != self.device and p.device.type != "meta":
+                    p.data = p.data.to(self.device)
+            return
+
+        if policy.params == "cpu" and policy.cpu_budget is not None:
+            total = sum(u.nbytes for u in self.units)
+            if total > policy.cpu_budget:
+                raise MemoryError(
+                    f'params="cpu" keeps all {total} bytes ({format_bytes(total)}) of parameters '
+                    f"in RAM, over cpu_budget={policy.cpu_budget}; use params=\"nvme\"")
+        self.engine = policy.io.engine()
+        chunk = min(CHUNK, -(-max(largest.nbytes, 1) // 4096) * 4096)
+        self.mover = Mover(self.device, chunk, NBUF, self.stats, io_delay)
+        if policy.params == "nvme":
+            if self.device.type == "cpu":
+                _returns_memory_to_os()
+            names = [f"{n}:{tuple(s.param.shape)}:{s.param.dtype}"
+                     for u in self.units for n, s in zip(u.names, u.segments)]
+            need = sum(-(-u.nbytes // 4096) * 4096 for u in self.units)
+            self.swap = SwapSpace(policy.nvme_dir, need, stable_tag(names), self.engine)
+        prefetch_units, prefetch_bytes = policy.prefetch_window()
+        self.scheduler = Scheduler(self.units, self.mover, self.budget, prefetch_units,
+                                   prefetch_bytes, self.stats)
+        try:
+            self._move_home()
+        except BaseException:
+            self.close(restore=False)
+            raise
+        self._install_hooks(model)
+        _live.add(self)
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _build_units(self, model: nn.Module) -> tuple[list[Unit], dict[nn.Module, list[Unit]]]:
+        units: list[Unit] = []
+        module_units: dict[nn.Module, list[Unit]] = {}
+        owner: dict[int, Unit] = {}
+        for mname, module in model.named_modules(remove_duplicate=False):
+            own: list[tuple[str, nn.Parameter]] = []
+            used: list[Unit] = []
+            for pname, p in module._parameters.items():
+                if p is None:
+                    continue
+                if id(p) in owner:
+                    if owner[id(p)] not in used:
+                        used.append(owner[id(p)])
+                    continue
+                _check_param(mname, pname, p)
+                own.append((f"{mname + '.' if mname else ''}{pname}", p))
+            if own:
+                unit = Unit(len(units), mname or "<root>", own)
+                units.append(unit)
+                for _, p in own:
+                    owner[id(p)] = unit
+                used.insert(0, unit)
+            if used:
+                module_units.setdefault(module, [])
+                module_units[module] += [u for u in used if u not in module_units[module]]
+        return units, module_units
+
+    def _check_budget(self, largest: Unit | None) -> int:
+        p = self.policy
+        budget = p.gpu_budget if self.device.type == "cuda" else p.cpu_budget
+        if largest is None:
+            return budget or 0
+        if budget is None:
+            units, nbytes = p.prefetch_window()
+            window = nbytes if nbytes is not None else min(units, len(self.units)) * largest.nbytes
+            budget = window + 2 * max(sum(u.nbytes for u in us) for us in self.module_units.values())
+        name = "gpu_budget" if self.device.type == "cuda" else "cpu_budget"
+        for module, us in self.module_units.items():
+            need = sum(u.nbytes for u in us)
+            if need > budget:
+                mname = ", ".join(u.name for u in us)
+                raise ValueError(
+                    f"{name}={budget} bytes ({format_bytes(budget)}) is smaller than module "
+                    f"{mname!r}, which needs {need} bytes ({format_bytes(need)}) resident at once")
+        return budget
+
+    def _move_home(self) -> None:
+        """Gives each unit its home and writes its current values there, one unit at a time."""
+        pin = self.device.type == "cuda"
+        for u in self.units:
+            meta = any(s.param.device.type == "meta" for s in u.segments)
+            for s in u.segments:
+                p = s.param
+                if meta:
+                    p.data = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                elif p.device != self.device or p.untyped_storage().nbytes() != s.end - s.start \
+                        or not p.is_contiguous():
+                    # Each parameter needs a storage of its own to be freed and refilled alone.
+                    p.data = p.data.to(self.device, copy=True).contiguous()
+            u.home = NvmeHome(self.swap, u.nbytes) if self.swap else RamHome(u.nbytes, pin)
+            if meta:
+                u.initialized = False
+            else:
+                self.scheduler.flush(u)
+            u.free()
+            u.state = State.AWAY
+
+    def _install_hooks(self, model: nn.Module) -> None:
+        h = self._handles
+        h.append(model.register_forward_pre_hook(self._begin_iteration, prepend=True))
+        for module, units in self.module_units.items():
+            h.append(module.register_forward_pre_hook(self._pre_forward(units)))
+            h.append(module.register_forward_hook(self._post_forward(units)))
+            h.append(module.register_state_dict_post_hook(self._state_dict_post()))
+            h.append(module.register_load_state_dict_pre_hook(self._load_pre(units)))
+            h.append(module.register_load_state_dict_post_hook(self._load_post(units)))
+        for u in self.units:
+            for p in u.params:
+                if p.requires_grad:
+                    h.append(p.register_post_accumulate_grad_hook(self._grad_done(u)))
+
+    # -- forward and backward ------------------------------------------------------------------
+
+    def _begin_iteration(self, module: nn.Module, args: Any) -> None:
+        self.scheduler.begin_iteration()
+
+    def _pre_forward(self, units: list[Unit]) -> Callable:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.scheduler.acquire(units)
+        return hook
+
+    def _post_forward(self, units: list[Unit]) -> Callable:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.scheduler.release(units)
+            if not torch.is_grad_enabled():
+                return
+            tensors = [t for t in tree_flatten(output)[0]
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads: self._pre_backward(units), mode="any")
+        return hook
+
+    def _pre_backward(self, units: list[Unit]) -> None:
+        if not self._bwd_callback_queued:
+            self._bwd_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self.scheduler.acquire(units)
+        for u in units:
+            self._bwd_pins[u.id] = self._bwd_pins.get(u.id, 0) + 1
+
+    def _grad_done(self, u: Unit) -> Callable:
+        wanted = sum(p.requires_grad for p in u.params)
+
+        def hook(p: torch.Tensor) -> None:
+            seen = self._grads_seen.get(u.id, 0) + 1
+            self._grads_seen[u.id] = seen
+            if seen >= wanted:
+                self._grads_seen[u.id] = 0
+                self.scheduler.release([u] * self._bwd_pins.pop(u.id, 0))
+        return hook
+
+    def _end_backward(self) -> None:
+        self._bwd_callback_queued = False
+        self._grads_seen.clear()
+        for uid, n in self._bwd_pins.items():
+            self.scheduler.release([self.units[uid]] * n)
+        self._bwd_pins.clear()
+
+    # -- optimizer step ------------------------------------------------------------------------
+
+    def step_begin(self, optimizer: torch.optim.Optimizer) -> None:
+        global _warned_step
+        units = {self.param_unit[id(p)].id: self.param_unit[id(p)]
+                 for g in optimizer.param_groups for p in g["params"] if id(p) in self.param_unit}
+        if not units:
+            return
+        units = list(units.values())
+        total = sum(u.nbytes for u in units)
+        if total > self.budget and not _warned_step:
+            _warned_step = True
+            log.warning("%s.step() over offloaded parameters brings all %s of them in at once, "
+                        "over the budget of %s; the paged optimizer (tieroffload.optimizer) "
+                        "steps in chunks instead", type(optimizer).__name__, format_bytes(total),
+                        format_bytes(self.budget))
+        self.scheduler.acquire(units, force=True, record=False)
+        self._opt_pins[id(optimizer)] = units
+
+    def step_end(self, optimizer: torch.optim.Optimizer) -> None:
+        units = self._opt_pins.pop(id(optimizer), None)
+        if not units:
+            return
+        for u in units:
+            u.dirty = True
+        self.scheduler.release(units)
+        self.scheduler.trim()
+
+    # -- state dicts ---------------------------------------------------------------------------
+
+    def _state_dict_post(self) -> Callable:
+        def hook(module: nn.Module, sd: dict, prefix: str, meta: Any) -> None:
+            # The entries share storage that eviction frees: hand out copies of the values.
+            for name, p in module._parameters.items():
+                key = prefix + name
+                u = self.param_unit.get(id(p)) if p is not None else None
+                if u is None or key not in sd or isinstance(sd[key], nn.Parameter):
+                    continue
+                with self.resident([u]):
+                    sd[key] = p.detach().clone()
+        return hook
+
+    def _load_pre(self, units: list[Unit]) -> Callable:
+        def hook(module: nn.Module, *args: Any) -> None:
+            self.scheduler.acquire(units, force=True, record=False)
+        return hook
+
+    def _load_post(self, units: list[Unit]) -> Callable:
+        def hook(module: nn.Module, incompatible: Any) -> None:
+            for u in units:
+                self.scheduler.flush(u)
+            self.scheduler.release(units)
+            self.scheduler.trim()
+        return hook
+
+    @contextlib.contextmanager
+    def resident(self, units: list[Unit], writeback: bool = False) -> Iterator[None]:
+        """Keeps ``units`` resident (over budget if need be) inside the block."""
+        self.scheduler.acquire(units, force=True, record=False)
+        try:
+            yield
+        finally:
+            if writeback:
+                for u in units:
+                    self.scheduler.flush(u)
+            self.scheduler.release(units)
+            self.scheduler.trim()
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def close(self, restore: bool = True) -> None:
+        """Removes the hooks and the swap space. With ``restore`` the parameters are made
+        resident first, so the model goes on as a plain model."""
+        if restore and self.mover is not None:
+            self.scheduler.acquire(self.units, force=True, record=False)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self.mover is not None:
+            self.mover.close()
+            self.mover = None
+        for u in self.units:
+            if u.home is not None:
+                u.home.release()
+                u.home = None
+        if self.swap is not None:
+            self.swap.close()
+            self.swap = None
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        _live.discard(self)
+
+
+def offload(model: nn.Module, policy: Policy | None = None, *,
+            _io_delay: Callable[[], None] | None = None) -> nn.Module:
+    """Pages ``model``'s parameters to ``policy.params`` and installs the hooks that bring them
+    back ahead of use. Changes the model in place and returns it."""
+    if getattr(model, "_tieroffload", None) is not None:
+        raise ValueError("model is already offloaded; tieroffload.close(model) first")
+    state = OffloadState(model, policy or Policy(), _io_delay)
+    model._tieroffload = state
+    return model
+
+
+def _state(model: nn.Module) -> OffloadState:
+    state = getattr(model, "_tieroffload", None)
+    if state is None:
+        raise ValueError("model is not offloaded (call tieroffload.offload(model, policy))")
+    return state
+
+
+def stats(model: nn.Module) -> dict[str, Any]:
+    """Bytes moved per tier and direction, seconds compute waited on I/O, prefetch hits, late
+    prefetches and misses, evictions, resident and peak resident bytes on the compute device,
+    the budget and the fixed staging overhead."""
+    s = _state(model)
+    d = s.stats.as_dict()
+    d.update(budget=s.budget, overhead=s.mover.overhead if s.mover else 0,
+             device=str(s.device), tier=s.policy.params,
+             swap=s.swap.path if s.swap else None)
+    return d
+
+
+@contextlib.contextmanager
+def materialize(model: nn.Module, writeback: bool = False) -> Iterator[nn.Module]:
+    """Makes every parameter resident inside the block, so that its values can be read (or,
+    with ``writeback=True``, changed) directly."""
+    s = _state(model)
+    if s.mover is None:
+        yield model
+        return
+    with s.resident(s.units, writeback=writeback):
+        yield model
+
+
+def load_weights(model: nn.Module, source: str | os.PathLike | dict[str, torch.Tensor],
+                 strict: bool = True) -> None:
+    """Loads weights from a safetensors file or a state dict, streamed one unit at a time into
+    its tier, so a model larger than RAM can be filled."""
+    s = _state(model)
+    if isinstance(source, dict):
+        keys = set(source)
+        get = source.__getitem__
+        ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+    else:
+        from safetensors import safe_open
+
+        ctx = safe_open(os.fspath(source), framework="pt", device="cpu")
+    with ctx as f:
+        if f is not None:
+            keys, get = set(f.keys()), f.get_tensor
+        missing = [n for u in s.units for n in u.names if n not in keys]
+        if strict and missing:
+            raise KeyError(f"weights are missing {len(missing)} parameters: {missing[:5]}...")
+        for u in s.units:
+            todo = [(n, seg.param) for n, seg in zip(u.names, u.segments) if n in keys]
+            if not todo:
+                continue
+            with s.resident([u], writeback=s.mover is not None), torch.no_grad():
+                for name, p in todo:
+                    t = get(name)
+                    if t.shape != p.shape:
+                        raise ValueError(f"{name}: weights have shape {tuple(t.shape)}, the "
+                                         f"model {tuple(p.shape)}")
+                    p.copy_(t)
+
+
+def close(model: nn.Module, restore: bool = True) -> None:
+    """Undoes ``offload``: removes hooks and deletes the swap space (see OffloadState.close)."""
+    _state(model).close(restore)
+    model._tieroffload = None
+
+
+def _step_pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for s in list(_live):
+        s.step_begin(optimizer)
+
+
+def _step_post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for s in list(_live):
+        s.step_end(optimizer)
+
+
+register_optimizer_step_pre_hook(_step_pre)
+register_optimizer_step_post_hook(_step_post)
+
+
+@atexit.register
+def _close_all() -> None:
+    for s in list(_live):
+        s.close(restore=False)

@@ -1,0 +1,201 @@
+"""Which units are resident, which to fetch next, which to evict.
+
+The first iteration records the order in which units are needed (forward, then backward). Later
+iterations follow that trace: each acquire prefetches the next units of the trace up to the
+prefetch window, and when room is needed the resident unit whose next use is farthest away goes
+(Belady's rule, which the trace makes possible). When execution leaves the trace (a branch, a
+different input) the scheduler fetches on demand and records the new order for the next
+iteration, so a wrong trace costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+from .sizes import format_bytes
+from .tiers import Mover, State, Stats, Unit, timed_wait
+
+log = logging.getLogger("tieroffload")
+
+
+class Scheduler:
+    def __init__(self, units: list[Unit], mover: Mover, budget: int, prefetch_units: int,
+                 prefetch_bytes: int | None, stats: Stats) -> None:
+        self.units = units
+        self.mover = mover
+        self.budget = budget
+        self.prefetch_units = prefetch_units
+        self.prefetch_bytes = prefetch_bytes
+        self.stats = stats
+        self.trace: list[int] | None = None
+        self._positions: dict[int, list[int]] = {}
+        self.recording: list[int] = []
+        self.cursor = 0
+        self.on_track = False
+        self.clock = 0
+
+    # -- the trace -----------------------------------------------------------------------------
+
+    def begin_iteration(self) -> None:
+        """Called when the root module's forward starts."""
+        if self.recording and not (self.on_track and self.cursor == len(self.trace or [])):
+            self.trace = self.recording
+            self._positions = {}
+            for i, uid in enumerate(self.trace):
+                self._positions.setdefault(uid, []).append(i)
+        self.recording = []
+        self.cursor = 0
+        self.on_track = self.trace is not None
+
+    def _advance(self, uid: int) -> None:
+        self.recording.append(uid)
+        if not self.on_track:
+            return
+        if self.cursor < len(self.trace) and self.trace[self.cursor] == uid:
+            self.cursor += 1
+        else:
+            self.on_track = False
+            self.stats.reorders += 1
+
+    def _next_use(self, uid: int) -> int:
+        """Distance from the cursor to the unit's next use in the (cyclic) trace."""
+        pos = self._positions.get(uid)
+        if not pos:
+            return 1 << 60
+        i = bisect.bisect_left(pos, self.cursor)
+        nxt = pos[i] if i < len(pos) else pos[0] + len(self.trace)
+        return nxt - self.cursor
+
+    # -- residency -----------------------------------------------------------------------------
+
+    def acquire(self, units: list[Unit], force: bool = False, record: bool = True) -> None:
+        """Makes ``units`` resident and pins them; then prefetches along the trace. ``force``
+        may exceed the budget (a plain optimizer step needs every parameter at once); uses
+        outside forward and backward (state dicts, steps) pass ``record=False``."""
+        for u in units:
+            if record:
+                self._advance(u.id)
+            u.pins += 1
+        for u in units:
+            self._ensure(u, force)
+        if record:
+            self._prefetch()
+
+    def release(self, units: list[Unit]) -> None:
+        for u in units:
+            u.pins -= 1
+
+    def _ensure(self, u: Unit, force: bool) -> None:
+        self.clock += 1
+        u.last_use = self.clock
+        if u.state is State.RESIDENT:
+            self.stats.hits += 1
+            return
+        if u.state is State.FETCHING:
+            if u.ticket.done():
+                self.stats.hits += 1
+            else:
+                self.stats.late += 1
+            self._finish(u)
+            return
+        self.stats.misses += 1
+        self._make_room(u.nbytes, force=force, target=u)
+        self._start_fetch(u)
+        self._finish(u)
+
+    def _start_fetch(self, u: Unit) -> None:
+        u.allocate()
+        self._account(u.nbytes)
+        u.state = State.FETCHING
+        if u.initialized:
+            u.ticket = self.mover.load(u)
+        else:
+            u.ticket = None
+
+    def _finish(self, u: Unit) -> None:
+        if u.ticket is not None:
+            ticket, u.ticket = u.ticket, None
+            timed_wait(ticket, self.stats)
+        u.state = State.RESIDENT
+
+    def _account(self, delta: int) -> None:
+        self.stats.resident += delta
+        self.stats.peak_resident = max(self.stats.peak_resident, self.stats.resident)
+
+    def _victim(self, target: Unit | None) -> Unit | None:
+        """The unpinned resident unit to evict: farthest next use on the trace, else least
+        recently used. With a prefetch ``target``, only one needed later than the target."""
+        best, best_key = None, None
+        for u in self.units:
+            if u.state is not State.RESIDENT or u.pins > 0 or u is target or u.home is None:
+                continue
+            key = self._next_use(u.id) if self.on_track else -u.last_use
+            if best_key is None or key > best_key:
+                best, best_key = u, key
+        if best is not None and target is not None and self.on_track:
+            if best_key <= self._next_use(target.id):
+                return None
+        return best
+
+    def _make_room(self, nbytes: int, force: bool, target: Unit | None,
+                   prefetching: bool = False) -> bool:
+        while self.stats.resident + nbytes > self.budget:
+            victim = self._victim(target if prefetching else None)
+            if victim is None:
+                if prefetching:
+                    return False
+                if force:
+                    return True
+                pinned = sum(u.nbytes for u in self.units if u.pins > 0)
+                raise MemoryError(
+                    f"tieroffload: {target.name!r} needs {nbytes} bytes but the budget of "
+                    f"{self.budget} bytes ({format_bytes(self.budget)}) holds {self.stats.resident}"
+                    f" bytes of units in use ({pinned} pinned); raise the budget")
+            self.evict(victim)
+        return True
+
+    def evict(self, u: Unit) -> None:
+        """Writes the unit back if it changed, then frees its storage."""
+        if u.state is State.FETCHING:
+            self._finish(u)
+        if u.dirty:
+            self.flush(u)
+        u.free()
+        u.state = State.AWAY
+        self._account(-u.nbytes)
+        self.stats.evictions += 1
+
+    def flush(self, u: Unit) -> None:
+        """Writes a resident unit's values to its home."""
+        timed_wait(self.mover.store(u), self.stats)
+        u.dirty = False
+        u.initialized = True
+
+    def _prefetch(self) -> None:
+        if not self.on_track or not self.trace:
+            return
+        budget_bytes = self.prefetch_bytes
+        seen: set[int] = set()
+        n = len(self.trace)
+        for step in range(n):
+            if len(seen) >= self.prefetch_units:
+                return
+            uid = self.trace[(self.cursor + step) % n]
+            if uid in seen:
+                continue
+            seen.add(uid)
+            u = self.units[uid]
+            if budget_bytes is not None:
+                budget_bytes -= u.nbytes
+                if budget_bytes < 0:
+                    return
+            if u.state is not State.AWAY:
+                continue
+            if not self._make_room(u.nbytes, force=False, target=u, prefetching=True):
+                return
+            self._start_fetch(u)
+
+    def trim(self) -> None:
+        """Evicts unpinned units until the budget holds again (after a forced acquire)."""
+        self._make_room(0, force=True, target=None)

@@ -1,0 +1,136 @@
+"""Swap space on NVMe: one preallocated file per directory, carved into aligned extents."""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import fcntl
+import hashlib
+import os
+
+from . import aio
+from .sizes import format_bytes
+
+
+def free_bytes(directory: str) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def check_directory(directory: str, what: str = "nvme_dir") -> str:
+    """The absolute path of an existing, writable directory, or a clear error."""
+    path = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(errno.ENOENT, f"{what} does not exist or is not a directory", path)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"{what} is not writable", path)
+    return path
+
+
+def rank() -> int:
+    """This process's rank under torch.distributed (0 when not distributed)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def stable_tag(names: list[str]) -> str:
+    """A short name that depends only on what is stored (parameter names, shapes, dtypes), so
+    the same model gets the same swap name in every run, never a Python id()."""
+    return hashlib.sha1("\n".join(names).encode()).hexdigest()[:12]
+
+
+class SwapSpace:
+    """A swap file of ``nbytes`` in ``directory``, reserved up front (posix_fallocate), locked
+    against a second process that would pick the same name, removed by ``close()``."""
+
+    def __init__(self, directory: str, nbytes: int, tag: str, engine: aio.Engine | None = None,
+                 what: str = "nvme_dir") -> None:
+        self.directory = check_directory(directory, what)
+        free = free_bytes(self.directory)
+        if nbytes > free:
+            raise OSError(errno.ENOSPC, f"{what} has {free} bytes ({format_bytes(free)}) free; "
+                          f"the swap space needs {nbytes} bytes ({format_bytes(nbytes)})",
+                          self.directory)
+        self._lock_fd, self.path = self._claim(tag)
+        try:
+            os.ftruncate(self._lock_fd, 0)
+            self.file = aio.open(self.path, "r+", engine=engine)
+            self.align = max(4096, self.file.align)
+            self.capacity = self._round(nbytes)
+            self.file.allocate(self.capacity)
+        except BaseException:
+            self._remove()
+            raise
+        self._free: list[tuple[int, int]] = [(0, self.capacity)]  # sorted (offset, length)
+
+    def _claim(self, tag: str) -> tuple[int, str]:
+        """Opens and locks the first free name: tieroffload-<tag>-rank<r>[-<n>].swap."""
+        for n in range(1000):
+            suffix = f"-{n}" if n else ""
+            path = os.path.join(self.directory, f"tieroffload-{tag}-rank{rank()}{suffix}.swap")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd, path
+            except BlockingIOError:
+                os.close(fd)  # another live process owns this one
+        raise OSError(errno.EEXIST, "no free swap file name", self.directory)
+
+    def _round(self, n: int) -> int:
+        return -(-n // self.align) * self.align
+
+    def alloc(self, nbytes: int) -> int:
+        """The offset of a free extent of ``nbytes`` (rounded up to the alignment); first fit,
+        growing the file (and checking the disk) when nothing fits."""
+        need = self._round(max(nbytes, 1))
+        for i, (off, length) in enumerate(self._free):
+            if length >= need:
+                if length == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + need, length - need)
+                return off
+        grow = need
+        if self._free and self._free[-1][0] + self._free[-1][1] == self.capacity:
+            off, length = self._free.pop()
+            grow = need - length
+        else:
+            off = self.capacity
+        free = free_bytes(self.directory)
+        if grow > free:
+            raise OSError(errno.ENOSPC, f"swap space cannot grow by {grow} bytes: only {free} "
+                          "bytes free", self.path)
+        self.capacity += grow
+        self.file.allocate(self.capacity)
+        return off
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Returns an extent; neighbours are merged."""
+        length = self._round(max(nbytes, 1))
+        i = bisect.bisect(self._free, (offset, 0))
+        self._free.insert(i, (offset, length))
+        merged: list[tuple[int, int]] = []
+        for off, ln in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + ln)
+            else:
+                merged.append((off, ln))
+        self._free = merged
+
+    def close(self) -> None:
+        """Closes and deletes the swap file."""
+        if getattr(self, "_lock_fd", None) is None:
+            return
+        self.file.close()
+        self._remove()
+
+    def _remove(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self._lock_fd)
+        self._lock_fd = None

@@ -1,0 +1,334 @@
+"""Where a unit's bytes live (RAM, pinned when a GPU is present, or an NVMe extent) and the
+worker that moves them to and from the parameters' storage on the compute device.
+
+A unit is the set of parameters one module owns, stored contiguously in its home so that NVMe
+sees one large I/O. On the compute device each parameter keeps its own storage, which is freed
+with ``untyped_storage().resize_(0)`` and refilled in place: tensors that autograd saved (views of
+a weight) stay valid across a release and a refetch.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import aio
+from .swap import SwapSpace
+
+
+class State(enum.Enum):
+    AWAY = "away"          # only in its home
+    FETCHING = "fetching"  # storage allocated, bytes on their way
+    RESIDENT = "resident"
+
+
+@dataclass
+class Segment:
+    """One parameter inside a unit: bytes [start, end) of the unit, and its resident bytes."""
+
+    param: torch.nn.Parameter
+    start: int
+    end: int
+
+    def view(self) -> torch.Tensor:
+        return self.param.data.view(-1).view(torch.uint8)
+
+
+@dataclass
+class Stats:
+    """Bytes moved per tier and direction, time compute waited, prefetch hits and misses."""
+
+    bytes_read: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "nvme": 0})
+    bytes_written: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "nvme": 0})
+    wait_s: float = 0.0
+    hits: int = 0          # resident when needed
+    late: int = 0          # prefetched, but still on its way when needed
+    misses: int = 0        # not prefetched: fetched on demand
+    evictions: int = 0
+    reorders: int = 0      # execution left the recorded order: re-recorded
+    peak_resident: int = 0
+    resident: int = 0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["bytes_read"] = dict(self.bytes_read)
+        d["bytes_written"] = dict(self.bytes_written)
+        return d
+
+
+class Ticket:
+    """Completion of one move: ``wait()`` re-raises what the worker met; on CUDA the current
+    stream is made to wait for the copies, so compute waits only for what it needs."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        self.cuda_event: torch.cuda.Event | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        if self.cuda_event is not None:
+            torch.cuda.current_stream().wait_event(self.cuda_event)
+
+
+class Home:
+    """Where a unit's bytes live when it is not resident."""
+
+    tier: str
+
+    def load(self, unit: Unit, mover: Mover) -> None:
+        raise NotImplementedError
+
+    def store(self, unit: Unit, mover: Mover) -> None:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Gives the home's space back."""
+
+
+class RamHome(Home):
+    """A flat buffer in RAM (pinned when a GPU is present): for params="cpu" with CUDA compute."""
+
+    tier = "cpu"
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.buf = aio.aligned_empty(nbytes, pin=pin)
+
+    def load(self, unit: Unit, mover: Mover) -> None:
+        for seg in unit.segments:
+            seg.view().copy_(self.buf[seg.start:seg.end], non_blocking=True)
+
+    def store(self, unit: Unit, mover: Mover) -> None:
+        for seg in unit.segments:
+            self.buf[seg.start:seg.end].copy_(seg.view(), non_blocking=True)
+        mover.sync_device()
+
+    def release(self) -> None:
+        self.buf = None
+
+
+class NvmeHome(Home):
+    """An extent of a swap file. Moves go through the mover's staging buffers in chunks: the
+    read of chunk k+1 is in flight while chunk k is copied out."""
+
+    tier = "nvme"
+
+    def __init__(self, swap: SwapSpace, nbytes: int) -> None:
+        self.swap = swap
+        self.nbytes = nbytes
+        self.offset = swap.alloc(nbytes)
+
+    def _chunks(self, mover: Mover) -> list[tuple[int, int]]:
+        step = mover.chunk
+        return [(a, min(a + step, self.nbytes)) for a in range(0, self.nbytes, step)]
+
+    def _padded(self, n: int) -> int:
+        return -(-n // self.swap.align) * self.swap.align
+
+    def load(self, unit: Unit, mover: Mover) -> None:
+        f = self.swap.file
+        chunks = self._chunks(mover)
+        pending: dict[int, aio.Future] = {}
+
+        def issue(k: int) -> None:
+            if k < len(chunks):
+                a, b = chunks[k]
+                buf = mover.staging_for(k)
+                pending[k] = f.pread(buf, self.offset + a, self._padded(b - a))
+
+        for k in range(min(mover.nbuf - 1, len(chunks))):
+            issue(k)
+        for k, (a, b) in enumerate(chunks):
+            issue(k + mover.nbuf - 1)
+            pending.pop(k).result()
+            mover.scatter(unit, mover.staging_for(k), a, b)
+
+    def store(self, unit: Unit, mover: Mover) -> None:
+        f = self.swap.file
+        inflight: dict[int, aio.Future] = {}
+        for k, (a, b) in enumerate(self._chunks(mover)):
+            slot = k % mover.nbuf
+            if slot in inflight:
+                inflight.pop(slot).result()
+            buf = mover.staging_for(k)
+            mover.gather(unit, buf, a, b)
+            n = self._padded(b - a)
+            if n > b - a:
+                buf[b - a:n].zero_()
+            inflight[slot] = f.pwrite(buf, self.offset + a, n)
+        for fut in inflight.values():
+            fut.result()
+
+    def release(self) -> None:
+        self.swap.free(self.offset, self.nbytes)
+
+
+class Unit:
+    """The parameters that one module owns, moved and accounted together."""
+
+    def __init__(self, uid: int, name: str, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+        self.id = uid
+        self.name = name
+        self.names = [n for n, _ in params]
+        self.segments: list[Segment] = []
+        pos = 0
+        for _, p in params:
+            n = p.numel() * p.element_size()
+            self.segments.append(Segment(p, pos, pos + n))
+            pos += n
+        self.nbytes = pos
+        self.home: Home | None = None
+        self.state = State.RESIDENT
+        self.ticket: Ticket | None = None
+        self.pins = 0
+        self.dirty = False
+        self.initialized = True  # False for a model built on the meta device, until loaded
+        self.last_use = 0
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [s.param for s in self.segments]
+
+    def allocate(self) -> None:
+        for s in self.segments:
+            s.param.untyped_storage().resize_(s.end - s.start)
+
+    def free(self) -> None:
+        for s in self.segments:
+            s.param.untyped_storage().resize_(0)
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, {self.nbytes} bytes, {self.state.value})"
+
+
+class Mover:
+    """One worker thread that runs loads and stores in order, with ``nbuf`` staging buffers of
+    ``chunk`` bytes (pinned on CUDA): the fixed memory overhead of NVMe offload."""
+
+    def __init__(self, device: torch.device, chunk: int, nbuf: int, stats: Stats,
+                 delay: Callable[[], None] | None = None) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.chunk = chunk
+        self.nbuf = nbuf
+        self.stats = stats
+        self.delay = delay  # tests inject I/O delays here
+        self._staging: list[torch.Tensor] = []
+        self._staging_events: list[torch.cuda.Event | None] = []
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="tieroffload-mover", daemon=True)
+        self._thread.start()
+
+    @property
+    def overhead(self) -> int:
+        """Bytes of staging memory this mover holds at most."""
+        return self.chunk * self.nbuf
+
+    def staging_for(self, k: int) -> torch.Tensor:
+        slot = k % self.nbuf
+        while len(self._staging) <= slot:
+            self._staging.append(aio.aligned_empty(self.chunk, pin=self.cuda))
+            self._staging_events.append(None)
+        ev = self._staging_events[slot]
+        if ev is not None:  # the copy that last read this buffer must be done before reuse
+            ev.synchronize()
+            self._staging_events[slot] = None
+        return self._staging[slot]
+
+    def scatter(self, unit: Unit, buf: torch.Tensor, a: int, b: int) -> None:
+        """Copies unit bytes [a, b) from a staging buffer into the parameters."""
+        for seg in unit.segments:
+            lo, hi = max(a, seg.start), min(b, seg.end)
+            if lo < hi:
+                seg.view()[lo - seg.start:hi - seg.start].copy_(buf[lo - a:hi - a],
+                                                                non_blocking=self.cuda)
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            self._staging_events[self._staging.index(buf)] = ev
+
+    def gather(self, unit: Unit, buf: torch.Tensor, a: int, b: int) -> None:
+        """Copies unit bytes [a, b) from the parameters into a staging buffer."""
+        for seg in unit.segments:
+            lo, hi = max(a, seg.start), min(b, seg.end)
+            if lo < hi:
+                buf[lo - a:hi - a].copy_(seg.view()[lo - seg.start:hi - seg.start],
+                                         non_blocking=self.cuda)
+        self.sync_device()
+
+    def sync_device(self) -> None:
+        if self.cuda:
+            self.stream.synchronize()
+
+    def submit(self, fn: Callable[[], None]) -> Ticket:
+        ticket = Ticket()
+        if self.cuda:
+            # The copies must not start before compute is done with the memory they overwrite.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        else:
+            ready = None
+        self._jobs.put((fn, ticket, ready))
+        return ticket
+
+    def load(self, unit: Unit) -> Ticket:
+        def job() -> None:
+            unit.home.load(unit, self)
+            self.stats.bytes_read[unit.home.tier] += unit.nbytes
+        return self.submit(job)
+
+    def store(self, unit: Unit) -> Ticket:
+        def job() -> None:
+            unit.home.store(unit, self)
+            self.stats.bytes_written[unit.home.tier] += unit.nbytes
+        return self.submit(job)
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            fn, ticket, ready = item
+            try:
+                if self.delay is not None:
+                    self.delay()
+                if self.cuda:
+                    with torch.cuda.stream(self.stream):
+                        self.stream.wait_event(ready)
+                        fn()
+                        ticket.cuda_event = torch.cuda.Event()
+                        ticket.cuda_event.record(self.stream)
+                else:
+                    fn()
+            except BaseException as e:  # handed to whoever waits on the ticket
+                ticket.finish(e)
+            else:
+                ticket.finish()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+        self._staging.clear()
+
+
+def timed_wait(ticket: Ticket, stats: Stats) -> None:
+    t0 = time.perf_counter()
+    ticket.wait()
+    stats.wait_s += time.perf_counter() - t0
