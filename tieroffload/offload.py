@@ -87,15 +87,19 @@ class OffloadState:
                              f"{self.device}")
         self.offloaded = policy.params == "nvme" or (policy.params == "cpu"
                                                      and self.device.type == "cuda")
+        self._uninitialized = self._materialize_meta(model)
         self.units, self.module_units = self._build_units(model)
         self.param_unit = {id(s.param): u for u in self.units for s in u.segments}
         largest = max(self.units, key=lambda u: u.nbytes, default=None)
         self.budget = self._check_budget(largest)
+        self._add_descendants(model)
 
         if not self.offloaded:
             # Resident tier: the parameters stay where compute is; nothing moves.
             for p in model.parameters():
-                if p.device != self.device and p.device.type != "meta":
+                if id(p) in self._uninitialized:
+                    p.untyped_storage().resize_(p.numel() * p.element_size())
+                elif p.device != self.device:
                     p.data = p.data.to(self.device)
             return
 
@@ -128,6 +132,21 @@ class OffloadState:
 
     # -- setup ---------------------------------------------------------------------------------
 
+    def _materialize_meta(self, model: nn.Module) -> set[int]:
+        """Parameters built on the meta device get real ones on the compute device, with no
+        memory yet (storage of size 0); ties are kept. Returns their ids: not loaded yet."""
+        new: dict[int, nn.Parameter] = {}
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is None or p.device.type != "meta":
+                    continue
+                if id(p) not in new:
+                    t = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                    t.untyped_storage().resize_(0)
+                    new[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+                module._parameters[name] = new[id(p)]
+        return {id(p) for p in new.values()}
+
     def _build_units(self, model: nn.Module) -> tuple[list[Unit], dict[nn.Module, list[Unit]]]:
         units: list[Unit] = []
         module_units: dict[nn.Module, list[Unit]] = {}
@@ -155,6 +174,19 @@ class OffloadState:
                 module_units[module] += [u for u in used if u not in module_units[module]]
         return units, module_units
 
+    def _add_descendants(self, model: nn.Module) -> None:
+        """A module that owns parameters may use its children's parameters without calling them
+        (nn.MultiheadAttention reads out_proj.weight): it also acquires their units, where they
+        fit the budget together."""
+        for module, units in self.module_units.items():
+            if not module._parameters:
+                continue
+            extra = [u for m in module.modules() if m is not module
+                     for u in self.module_units.get(m, []) if u not in units]
+            extra = list(dict.fromkeys(extra))
+            if sum(u.nbytes for u in units + extra) <= self.budget:
+                units += extra
+
     def _check_budget(self, largest: Unit | None) -> int:
         p = self.policy
         budget = p.gpu_budget if self.device.type == "cuda" else p.cpu_budget
@@ -163,9 +195,10 @@ class OffloadState:
         if budget is None:
             units, nbytes = p.prefetch_window()
             window = nbytes if nbytes is not None else min(units, len(self.units)) * largest.nbytes
-            budget = window + 2 * max(sum(u.nbytes for u in us) for us in self.module_units.values())
+            needs = (sum(u.nbytes for u in us) for us in self.module_units.values())
+            budget = window + 2 * max(needs)
         name = "gpu_budget" if self.device.type == "cuda" else "cpu_budget"
-        for module, us in self.module_units.items():
+        for us in self.module_units.values():
             need = sum(u.nbytes for u in us)
             if need > budget:
                 mname = ", ".join(u.name for u in us)
@@ -178,12 +211,12 @@ class OffloadState:
         """Gives each unit its home and writes its current values there, one unit at a time."""
         pin = self.device.type == "cuda"
         for u in self.units:
-            meta = any(s.param.device.type == "meta" for s in u.segments)
+            meta = any(id(p) in self._uninitialized for p in u.params)
             for s in u.segments:
                 p = s.param
                 if meta:
-                    p.data = torch.empty(p.shape, dtype=p.dtype, device=self.device)
-                elif p.device != self.device or p.untyped_storage().nbytes() != s.end - s.start \
+                    continue
+                if p.device != self.device or p.untyped_storage().nbytes() != s.end - s.start \
                         or not p.is_contiguous():
                     # Each parameter needs a storage of its own to be freed and refilled alone.
                     p.data = p.data.to(self.device, copy=True).contiguous()
@@ -224,11 +257,15 @@ class OffloadState:
             self.scheduler.release(units)
             if not torch.is_grad_enabled():
                 return
-            tensors = [t for t in tree_flatten(output)[0]
-                       if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:
+            outs, ins = _grad_tensors(output), _grad_tensors(args)
+            if outs:
+                # Grads reaching the outputs: this module's backward is about to run.
                 torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grads: self._pre_backward(units), mode="any")
+                    outs, lambda grads: self._pre_backward(units), mode="any")
+            if outs and ins:
+                # Grads reaching the inputs: its backward is done, its units may go.
+                torch.autograd.graph.register_multi_grad_hook(
+                    ins, lambda grads: self._post_backward(units), mode="all")
         return hook
 
     def _pre_backward(self, units: list[Unit]) -> None:
@@ -238,6 +275,12 @@ class OffloadState:
         self.scheduler.acquire(units)
         for u in units:
             self._bwd_pins[u.id] = self._bwd_pins.get(u.id, 0) + 1
+
+    def _post_backward(self, units: list[Unit]) -> None:
+        for u in units:
+            if self._bwd_pins.get(u.id, 0) > 0:
+                self._bwd_pins[u.id] -= 1
+                self.scheduler.release([u])
 
     def _grad_done(self, u: Unit) -> Callable:
         wanted = sum(p.requires_grad for p in u.params)
@@ -315,6 +358,9 @@ class OffloadState:
     @contextlib.contextmanager
     def resident(self, units: list[Unit], writeback: bool = False) -> Iterator[None]:
         """Keeps ``units`` resident (over budget if need be) inside the block."""
+        if self.mover is None:  # nothing is offloaded
+            yield
+            return
         self.scheduler.acquire(units, force=True, record=False)
         try:
             yield
@@ -349,6 +395,10 @@ class OffloadState:
             self.engine.close()
             self.engine = None
         _live.discard(self)
+
+
+def _grad_tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def offload(model: nn.Module, policy: Policy | None = None, *,
@@ -386,9 +436,6 @@ def materialize(model: nn.Module, writeback: bool = False) -> Iterator[nn.Module
     """Makes every parameter resident inside the block, so that its values can be read (or,
     with ``writeback=True``, changed) directly."""
     s = _state(model)
-    if s.mover is None:
-        yield model
-        return
     with s.resident(s.units, writeback=writeback):
         yield model
 

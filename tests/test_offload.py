@@ -1,0 +1,325 @@
+"""offload(): the offloaded model computes exactly what the plain one does, inside its budget."""
+
+import copy
+import errno
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from models import Branchy, TinyGPT, mlp
+from torch import nn
+
+import tieroffload
+from tieroffload import Policy
+
+MODELS = {
+    "mlp": (lambda: mlp(), lambda g: torch.randn(4, 64, generator=g)),
+    "gpt": (lambda: TinyGPT(), lambda g: torch.randint(0, 97, (2, 16), generator=g)),
+    "branchy": (lambda: Branchy(), lambda g: torch.randn(5, 48, generator=g) + 0.3),
+}
+
+
+def policy_for(tier: str, tmp_path, **kw) -> Policy:
+    if tier == "nvme":
+        return Policy(params="nvme", nvme_dir=str(tmp_path), device="cpu", **kw)
+    return Policy(params=tier, device="cpu", **kw)
+
+
+def pair(name: str, tier: str, tmp_path, **kw):
+    torch.manual_seed(0)
+    ref = MODELS[name][0]()
+    model = tieroffload.offload(copy.deepcopy(ref), policy_for(tier, tmp_path, **kw))
+    return ref, model
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def budget_of(model: nn.Module) -> int:
+    """A budget of twice the largest module: most units must be evicted and refetched."""
+    return 2 * max(u.nbytes for u in model._tieroffload.units)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_outputs_and_gradients_match(name, tier, tmp_path):
+    ref, model = pair(name, tier, tmp_path)
+    if tier == "nvme":  # a tight budget, so that units really come and go
+        tieroffload.close(model)
+        model = tieroffload.offload(copy.deepcopy(ref), policy_for(
+            tier, tmp_path, cpu_budget=2 * max(p.numel() * 4 for p in ref.parameters())))
+    g = torch.Generator().manual_seed(1)
+    for it in range(3):
+        x = MODELS[name][1](g)
+        if name == "branchy" and it == 1:
+            x = -x.abs() - 0.1  # the other branch: the recorded order no longer holds
+        ref.zero_grad()
+        model.zero_grad()
+        out_ref, out = ref(x), model(x)
+        assert torch.equal(out_ref, out), f"iteration {it}"
+        loss_of(out_ref).backward()
+        loss_of(out).backward()
+        for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+            if a.grad is None:  # a branch not taken
+                assert b.grad is None, n
+            else:
+                assert torch.equal(a.grad, b.grad), f"{n} iteration {it}"
+    if tier == "nvme":
+        st = tieroffload.stats(model)
+        assert st["bytes_read"]["nvme"] > 0 and st["evictions"] > 0
+        assert st["peak_resident"] <= st["budget"]
+        if name == "branchy":
+            assert st["reorders"] >= 1
+    tieroffload.close(model)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ten_adamw_steps_same_losses(name, tier, tmp_path, caplog):
+    ref, model = pair(name, tier, tmp_path)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(2)
+    losses_ref, losses = [], []
+    for _ in range(10):
+        x = MODELS[name][1](g)
+        for m, o, acc in ((ref, opt_ref, losses_ref), (model, opt, losses)):
+            o.zero_grad()
+            loss = loss_of(m(x))
+            loss.backward()
+            o.step()
+            acc.append(loss.item())
+    assert losses == losses_ref
+    sd_ref, sd = ref.state_dict(), model.state_dict()
+    assert sd.keys() == sd_ref.keys()
+    for k in sd:
+        assert torch.equal(sd[k], sd_ref[k]), k
+    tieroffload.close(model)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.003])
+def test_injected_io_delays_do_not_change_results(tmp_path, delay):
+    """Thin layers and a batch of one: compute is far quicker than the (delayed) I/O, so a
+    missing wait would read weights that have not arrived."""
+    torch.manual_seed(0)
+    ref = mlp(width=256, depth=12)
+    model = tieroffload.offload(
+        copy.deepcopy(ref),
+        Policy(params="nvme", nvme_dir=str(tmp_path), device="cpu", cpu_budget=4 * 257 * 256 * 4,
+               prefetch=3),
+        _io_delay=lambda: time.sleep(delay))
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        x = torch.randn(1, 256)
+        for m, o in ((ref, opt_ref), (model, opt)):
+            o.zero_grad()
+            loss_of(m(x)).backward()
+            o.step()
+        assert torch.equal(ref(x), model(x))
+    st = tieroffload.stats(model)
+    assert st["hits"] + st["late"] > st["misses"]  # the prefetch along the trace was used
+    tieroffload.close(model)
+
+
+def test_state_dict_round_trip_and_torch_save(tmp_path):
+    ref, model = pair("gpt", "nvme", tmp_path)
+    path = tmp_path / "sd.pt"
+    torch.save(model.state_dict(), path)
+    loaded = torch.load(path)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(loaded[k], v), k
+    # load_state_dict into the offloaded model, from another model's weights
+    torch.manual_seed(5)
+    other = TinyGPT()
+    model.load_state_dict(other.state_dict())
+    for k, v in other.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    idx = torch.randint(0, 97, (2, 16))
+    assert torch.equal(model(idx), other(idx))
+    # named_parameters: the same Parameter objects, their values readable when materialized
+    names = [n for n, _ in model.named_parameters()]
+    assert names == [n for n, _ in other.named_parameters()]
+    with tieroffload.materialize(model):
+        for (n, p), q in zip(model.named_parameters(), other.parameters()):
+            assert torch.equal(p, q), n
+    tieroffload.close(model)
+
+
+def test_optimizer_built_before_offload_sees_same_parameters(tmp_path):
+    torch.manual_seed(0)
+    ref = mlp()
+    model = copy.deepcopy(ref)
+    params_before = list(model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tieroffload.offload(model, Policy(params="nvme", nvme_dir=str(tmp_path), device="cpu"))
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params_before]
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(3, 64)
+    for m, o in ((ref, opt_ref), (model, opt)):
+        loss_of(m(x)).backward()
+        o.step()
+    assert torch.equal(ref(x), model(x))
+    tieroffload.close(model)
+
+
+def test_meta_model_streamed_from_safetensors(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    sd = {k: v.clone() for k, v in ref.state_dict().items() if k != "head.weight"}
+    save_file(sd, tmp_path / "w.safetensors")
+    with torch.device("meta"):
+        model = TinyGPT()
+    tieroffload.offload(model, Policy(params="nvme", nvme_dir=str(tmp_path), device="cpu"))
+    tieroffload.load_weights(model, tmp_path / "w.safetensors")
+    idx = torch.randint(0, 97, (2, 16))
+    assert torch.equal(model(idx), ref(idx))
+    with pytest.raises(KeyError, match="missing"):
+        tieroffload.load_weights(model, {"wte.weight": sd["wte.weight"]})
+    tieroffload.close(model)
+
+
+def test_swap_file_named_stably_and_removed(tmp_path):
+    def swap_files():
+        return sorted(f for f in os.listdir(tmp_path) if f.endswith(".swap"))
+
+    torch.manual_seed(0)
+    a = tieroffload.offload(mlp(), Policy(params="nvme", nvme_dir=str(tmp_path), device="cpu"))
+    b = tieroffload.offload(mlp(), Policy(params="nvme", nvme_dir=str(tmp_path), device="cpu"))
+    names = swap_files()
+    first = a._tieroffload.swap.path
+    assert os.path.basename(first) in names and len(names) == 2
+    assert os.path.basename(first.replace(".swap", "-1.swap")) in names  # no collision
+    tieroffload.close(a)
+    tieroffload.close(b)
+    assert swap_files() == []
+    code = textwrap.dedent(f"""
+        import os, torch, tieroffload
+        from torch import nn
+        m = tieroffload.offload(nn.Sequential(nn.Linear(64, 64)), tieroffload.Policy(
+            params="nvme", nvme_dir={str(tmp_path)!r}, device="cpu"))
+        print(sorted(os.listdir({str(tmp_path)!r})))
+    """)
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout  # the same name in every run
+    assert swap_files() == []  # removed at exit
+
+
+def test_bad_policies_get_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="nvme_dir"):
+        Policy(params="nvme")
+    with pytest.raises(ValueError, match="params must be"):
+        Policy(params="disk")
+    with pytest.raises(ValueError, match="cpu_budget: not a size"):
+        Policy(cpu_budget="lots")
+    with pytest.raises(ValueError, match="CUDA"):
+        tieroffload.offload(mlp(), Policy(params="gpu", device="cpu"))
+    big = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 4))
+    with pytest.raises(ValueError, match=r"'0'.*263168 bytes"):
+        tieroffload.offload(big, policy_for("nvme", tmp_path, cpu_budget="100KiB"))
+    assert not big[0].weight.untyped_storage().nbytes() == 0  # the model is untouched
+    with pytest.raises(FileNotFoundError, match="nvme_dir"):
+        tieroffload.offload(mlp(), Policy(params="nvme", nvme_dir=str(tmp_path / "nope"),
+                                          device="cpu"))
+
+    class Sparse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.eye(4).to_sparse())
+
+    with pytest.raises(TypeError, match=r"'w'.*64 bytes.*layout"):
+        tieroffload.offload(Sparse(), policy_for("nvme", tmp_path))
+
+
+def test_nvme_dir_without_room_is_refused_before_writing(tmp_path):
+    from conftest import mounted
+
+    with mounted("tmpfs", "size=1m") as where:
+        with open(os.path.join(where, "keep"), "wb") as f:
+            f.write(b"precious")
+        model = nn.Sequential(nn.Linear(1024, 1024))  # 4 MiB
+        with pytest.raises(OSError) as ei:
+            tieroffload.offload(model, Policy(params="nvme", nvme_dir=where, device="cpu"))
+        assert ei.value.errno == errno.ENOSPC
+        assert "needs 4198400 bytes" in str(ei.value) and where in str(ei.value)
+        assert os.listdir(where) == ["keep"]
+        with open(os.path.join(where, "keep"), "rb") as f:
+            assert f.read() == b"precious"
+    assert model[0].weight.abs().sum() > 0  # still usable
+
+
+RSS_CHILD = r"""
+import sys, torch, tieroffload
+from torch import nn
+
+def rss():
+    with open("/proc/self/status") as f:
+        pairs = (line.split(":", 1) for line in f)
+        return {k: int(v.split()[0]) * 1024 for k, v in pairs if k in ("VmRSS", "VmHWM")}
+
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(16)])  # 16 MiB a unit, 256 MiB
+x = torch.randn(4, 2048)
+with torch.no_grad():
+    want = model(x)
+before = rss()["VmRSS"]
+tieroffload.offload(model, tieroffload.Policy(params="nvme", nvme_dir=sys.argv[1], device="cpu",
+                                              cpu_budget="48MiB"))
+after = rss()["VmRSS"]
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak
+base = rss()["VmRSS"]
+with torch.no_grad():
+    for _ in range(3):
+        out = model(x)
+st = tieroffload.stats(model)
+print(before, after, base, rss()["VmHWM"], st["budget"], st["overhead"], st["peak_resident"],
+      int(torch.equal(out, want)))
+"""
+
+
+def test_resident_memory_stays_under_budget(tmp_path):
+    r = subprocess.run([sys.executable, "-c", RSS_CHILD, str(tmp_path)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    before, after, base, peak, budget, overhead, peak_resident, same = map(int, r.stdout.split())
+    mib = 1 << 20
+    assert same == 1
+    assert before - after > 200 * mib, "offloaded weights were not returned to the OS"
+    assert peak_resident <= budget == 48 * mib
+    # Measured: the peak RSS over the forward passes stays within budget + staging + 16 MiB.
+    assert peak - base <= budget + overhead + 16 * mib, (peak - base) / mib
+
+
+def test_plain_optimizer_step_warns_once(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = tieroffload.offload(mlp(), policy_for("nvme", tmp_path, cpu_budget="40KiB"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sys.modules["tieroffload.offload"]._warned_step = False
+    with caplog.at_level(logging.WARNING, logger="tieroffload"):
+        for _ in range(2):
+            loss_of(model(torch.randn(2, 64))).backward()
+            opt.step()
+    msgs = [r.getMessage() for r in caplog.records if "paged optimizer" in r.getMessage()]
+    assert len(msgs) == 1
+    assert tieroffload.stats(model)["resident"] <= tieroffload.stats(model)["budget"]
+    tieroffload.close(model)
+
+
+def test_close_restores_a_plain_model(tmp_path):
+    ref, model = pair("mlp", "nvme", tmp_path)
+    tieroffload.close(model)
+    x = torch.randn(3, 64)
+    assert torch.equal(ref(x), model(x))
+    assert model._tieroffload is None
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".swap")]
