@@ -83,11 +83,12 @@ def main() -> None:
     p.add_argument("--prefetch", default="512MiB", help="tieroffload prefetch (default 512MiB)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--train", action="store_true", help="forward+backward instead of inference")
+    p.add_argument("--threads", type=int, default=None, help="torch compute threads")
     args = p.parse_args()
     batches = args.batch or [8, 96]
     tmp = tempfile.TemporaryDirectory(dir=args.dir or ".", prefix="bench-offload-")
     directory = tmp.name
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
 
     model = build(args.gib)
     nbytes = sum(q.numel() * q.element_size() for q in model.parameters())

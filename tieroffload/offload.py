@@ -25,6 +25,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils._pytree import tree_flatten
 
+from .grads import GradPager
 from .policy import Policy
 from .scheduler import Scheduler
 from .sizes import format_bytes
@@ -79,6 +80,7 @@ class OffloadState:
         self._opt_pins: dict[int, list[Unit]] = {}
         self._grads_seen: dict[int, int] = {}
         self.swap: SwapSpace | None = None
+        self.grads: GradPager | None = None
         self.engine = None
         self.mover: Mover | None = None
 
@@ -122,6 +124,8 @@ class OffloadState:
         prefetch_units, prefetch_bytes = policy.prefetch_window()
         self.scheduler = Scheduler(self.units, self.mover, self.budget, prefetch_units,
                                    prefetch_bytes, self.stats)
+        self.grads = (GradPager(self.units, self.swap, self.mover, self.stats)
+                      if policy.grads == "nvme" else None)
         try:
             self._move_home()
         except BaseException:
@@ -290,11 +294,19 @@ class OffloadState:
             self._grads_seen[u.id] = seen
             if seen >= wanted:
                 self._grads_seen[u.id] = 0
-                self.scheduler.release([u] * self._bwd_pins.pop(u.id, 0))
+                self._grads_ready(u)
         return hook
+
+    def _grads_ready(self, u: Unit) -> None:
+        self.scheduler.release([u] * self._bwd_pins.pop(u.id, 0))
+        if self.grads is not None:
+            self.grads.page_out(u)
 
     def _end_backward(self) -> None:
         self._bwd_callback_queued = False
+        for uid, seen in self._grads_seen.items():
+            if seen:  # some parameters of the unit got no gradient this time
+                self._grads_ready(self.units[uid])
         self._grads_seen.clear()
         for uid, n in self._bwd_pins.items():
             self.scheduler.release([self.units[uid]] * n)
@@ -310,7 +322,8 @@ class OffloadState:
             return
         units = list(units.values())
         total = sum(u.nbytes for u in units)
-        if total > self.budget and not _warned_step:
+        if total > self.budget and not _warned_step and not getattr(
+                optimizer, "_tieroffload_inner", False):
             _warned_step = True
             log.warning("%s.step() over offloaded parameters brings all %s of them in at once, "
                         "over the budget of %s; the paged optimizer (tieroffload.optimizer) "
@@ -479,11 +492,15 @@ def close(model: nn.Module, restore: bool = True) -> None:
 
 
 def _step_pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if getattr(optimizer, "_tieroffload_paged", False):
+        return  # it pages its chunks itself
     for s in list(_live):
         s.step_begin(optimizer)
 
 
 def _step_post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if getattr(optimizer, "_tieroffload_paged", False):
+        return
     for s in list(_live):
         s.step_end(optimizer)
 

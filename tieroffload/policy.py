@@ -83,6 +83,9 @@ class Policy:
     that may be resident on the compute device at once; default: what the prefetch window needs.
     ``prefetch``: how far ahead to fetch along the recorded order: a number of units, or bytes
     given as a string ("512MiB"). ``io``: engine settings (an ``IOConfig`` or its dict).
+    ``optimizer``: the tier of the paged optimizer's state ("gpu", "cpu" or "nvme"; default: the
+    compute device's). ``grads``: where gradients go after each unit's backward: the compute
+    device (default), or "nvme" (with params="nvme"; consumed by the paged optimizer's step).
     """
 
     params: str = "cpu"
@@ -92,12 +95,28 @@ class Policy:
     cpu_budget: int | str | None = None
     prefetch: int | str = 2
     io: IOConfig | dict = dataclasses.field(default_factory=IOConfig)
+    optimizer: str | None = None
+    grads: str | None = None
+
 
     def __post_init__(self) -> None:
         if self.params not in TIERS:
             raise ValueError(f"params must be one of {TIERS}, not {self.params!r}")
-        if self.params == "nvme" and not self.nvme_dir:
-            raise ValueError('params="nvme" needs nvme_dir, the directory for the swap space')
+        if self.optimizer is None:
+            object.__setattr__(self, "optimizer",
+                               "gpu" if self.compute_device().type == "cuda" else "cpu")
+        if self.grads is None:
+            object.__setattr__(self, "grads",
+                               "gpu" if self.compute_device().type == "cuda" else "cpu")
+        if self.grads == "nvme" and self.params != "nvme":
+            raise ValueError('grads="nvme" needs params="nvme"')
+        if self.grads not in TIERS:
+            raise ValueError(f"grads must be one of {TIERS}, not {self.grads!r}")
+        if self.optimizer not in TIERS:
+            raise ValueError(f"optimizer must be one of {TIERS}, not {self.optimizer!r}")
+        if "nvme" in (self.params, self.optimizer) and not self.nvme_dir:
+            raise ValueError('params="nvme" or optimizer="nvme" needs nvme_dir, the directory '
+                             "for the swap space")
         set_ = object.__setattr__  # frozen: normalise once, here
         set_(self, "gpu_budget", _budget("gpu_budget", self.gpu_budget))
         set_(self, "cpu_budget", _budget("cpu_budget", self.cpu_budget))

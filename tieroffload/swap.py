@@ -60,7 +60,8 @@ class SwapSpace:
             self.file = aio.open(self.path, "r+", engine=engine)
             self.align = max(4096, self.file.align)
             self.capacity = self._round(nbytes)
-            self.file.allocate(self.capacity)
+            if self.capacity:
+                self.file.allocate(self.capacity)
         except BaseException:
             self._remove()
             raise

@@ -1,0 +1,311 @@
+"""The paged optimizer: optimizer state lives in its tier (RAM or NVMe) and streams through the
+step chunk by chunk, so Adam's 8 bytes of state per parameter never have to fit at once.
+
+Each chunk (the parameters of a few consecutive units) has an inner optimizer of the user's class
+and arguments, so the update is exactly what that torch optimizer computes (Adam and AdamW use
+PyTorch's fused CPU kernel unless told otherwise). The outer object is a ``torch.optim.Optimizer``
+whose ``param_groups`` are the ones users and ``lr_scheduler`` change; their values are copied
+into the chunks before each step. On NVMe the state of chunk i+1 is read while chunk i is
+updated, and chunk i is written back while chunk i+1 is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .offload import OffloadState, _state
+from .swap import SwapSpace, stable_tag
+from .tiers import Mover, NvmeHome, State, Ticket, Unit, timed_wait
+
+CHUNK_BYTES = 16 << 20  # parameters per chunk, at least one unit
+
+_live: weakref.WeakSet[PagedOptimizer] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for opt in list(_live):
+        opt.close()
+
+
+class _Chunk:
+    def __init__(self, params: list[nn.Parameter], units: list[Unit], inner: Any,
+                 group_of: list[int]) -> None:
+        self.params = params
+        self.units = units
+        self.inner = inner
+        self.group_of = group_of  # outer group index of each inner group
+        self.state_unit: Unit | None = None  # the chunk's state tensors, once they exist
+        self.pending: Ticket | None = None   # a load or store on its way
+
+
+class PagedOptimizer(torch.optim.Optimizer):
+    """See the module docstring; build it with ``tieroffload.optimizer``."""
+
+    _tieroffload_paged = True  # the plain-optimizer hooks of offload() leave this one alone
+
+    def __init__(self, model: nn.Module, opt_cls: type[torch.optim.Optimizer],
+                 params: Iterable | None, kwargs: dict[str, Any]) -> None:
+        self.offload: OffloadState = _state(model)
+        policy = self.offload.policy
+        self.tier = policy.optimizer
+        if self.tier != "gpu" and self.offload.device.type == "cuda":
+            raise NotImplementedError(
+                f'optimizer="{self.tier}" with CUDA compute needs an fp32 master copy on the '
+                'host, which tieroffload does not have yet; use optimizer="gpu"')
+        if self.tier == "gpu" and self.offload.device.type != "cuda":
+            raise ValueError('optimizer="gpu" needs a CUDA compute device')
+        kwargs = dict(kwargs)
+        if opt_cls in (torch.optim.Adam, torch.optim.AdamW) and not (
+                {"fused", "foreach", "differentiable"} & set(kwargs)):
+            kwargs["fused"] = True
+        probe = opt_cls([nn.Parameter(torch.zeros(1, device=self.offload.device))], **kwargs)
+        super().__init__(list(model.parameters()) if params is None else params,
+                         dict(probe.defaults))
+        self.opt_cls, self.kwargs = opt_cls, kwargs
+        self.chunks = self._build_chunks(model)
+        self.swap: SwapSpace | None = None
+        self.mover = self.offload.mover
+        self._owned: list[Any] = []  # engine, mover and swap made here, closed by close()
+        if self.tier == "nvme":
+            engine = self.offload.engine
+            if self.mover is None:  # the parameters are not offloaded: move state on our own
+                engine = policy.io.engine()
+                self.mover = Mover(self.offload.device, CHUNK_BYTES, 4, self.offload.stats)
+                self._owned += [engine, self.mover]
+            self.swap = self.offload.swap
+            if self.swap is None:
+                self.swap = self._own_swap(model, engine)
+                self._owned.insert(0, self.swap)
+        _live.add(self)
+
+    def close(self) -> None:
+        """Deletes the swap space this optimizer made (the state in it is lost)."""
+        for thing in self._owned:
+            thing.close()
+        self._owned.clear()
+        _live.discard(self)
+
+    def _own_swap(self, model: nn.Module, engine: Any) -> SwapSpace:
+        names = [n for n, _ in model.named_parameters()]
+        nvme_dir = self.offload.policy.nvme_dir
+        if not nvme_dir:
+            raise ValueError('optimizer="nvme" needs nvme_dir in the policy')
+        return SwapSpace(nvme_dir, 0, stable_tag(names) + "-optim", engine)
+
+    def _build_chunks(self, model: nn.Module) -> list[_Chunk]:
+        group_index = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        order: list[list[nn.Parameter]] = []
+        units: list[list[Unit]] = []
+        limit = min(CHUNK_BYTES, self.offload.budget // 4) if self.offload.mover else CHUNK_BYTES
+        size = limit + 1
+        seen: set[int] = set()
+        for u in self.offload.units:
+            ps = [p for p in u.params if id(p) in group_index and id(p) not in seen]
+            if not ps:
+                continue
+            seen.update(id(p) for p in ps)
+            if size + u.nbytes > limit:
+                order.append([])
+                units.append([])
+                size = 0
+            order[-1] += ps
+            units[-1].append(u)
+            size += u.nbytes
+        chunks = []
+        for ps, us in zip(order, units):
+            groups, group_of = [], []
+            for gi, g in enumerate(self.param_groups):
+                mine = [p for p in ps if group_index[id(p)] == gi]
+                if mine:
+                    groups.append({**{k: v for k, v in g.items() if k != "params"},
+                                   "params": mine})
+                    group_of.append(gi)
+            inner = self.opt_cls(groups, **self.kwargs)
+            inner._tieroffload_inner = True  # a chunk: no over-budget warning for it
+            chunks.append(_Chunk(ps, us, inner, group_of))
+        return chunks
+
+    # -- paging the state ----------------------------------------------------------------------
+
+    def _state_tensors(self, chunk: _Chunk) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for i, p in enumerate(chunk.params):
+            for key, t in sorted(chunk.inner.state.get(p, {}).items()):
+                if isinstance(t, torch.Tensor):
+                    out.append((f"{i}.{key}", t))
+        return out
+
+    def _page_in(self, chunk: _Chunk) -> None:
+        """Starts bringing the chunk's state back (no wait)."""
+        u = chunk.state_unit
+        if u is None or u.state is not State.AWAY:
+            return
+        u.allocate()
+        u.state = State.FETCHING
+        chunk.pending = self.mover.load(u)
+
+    def _wait(self, chunk: _Chunk) -> None:
+        if chunk.pending is not None:
+            ticket, chunk.pending = chunk.pending, None
+            timed_wait(ticket, self.offload.stats)
+            u = chunk.state_unit
+            if u.state is State.FETCHING:
+                u.state = State.RESIDENT
+            else:  # a store finished: the memory can go
+                u.free()
+                u.state = State.AWAY
+
+    def _page_out(self, chunk: _Chunk) -> None:
+        """Starts writing the chunk's state to NVMe; its memory is freed once written."""
+        if self.tier != "nvme":
+            return
+        tensors = self._state_tensors(chunk)
+        if not tensors:
+            return
+        if chunk.state_unit is None:
+            u = Unit(-1, f"optimizer state of {chunk.units[0].name}", tensors)
+            u.home = NvmeHome(self.swap, u.nbytes)
+            chunk.state_unit = u
+        chunk.state_unit.state = State.RESIDENT  # until _wait sees the store done
+        chunk.pending = self.mover.store(chunk.state_unit)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def _sync_groups(self, chunk: _Chunk) -> None:
+        for inner_group, gi in zip(chunk.inner.param_groups, chunk.group_of):
+            for k, v in self.param_groups[gi].items():
+                if k != "params":
+                    inner_group[k] = v
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        chunks = self.chunks
+        for i, chunk in enumerate(chunks):
+            if i == 0:
+                self._page_in(chunk)
+            self._wait(chunk)
+            if i + 1 < len(chunks):
+                self._wait(chunks[i + 1])  # its previous store, if any, is done
+                self._page_in(chunks[i + 1])
+            self._sync_groups(chunk)
+            grads = self.offload.grads
+            if grads is not None:
+                grads.bring_in(chunk.units)
+            chunk.inner.step()  # offload()'s step hooks bring the chunk's parameters in and out
+            if grads is not None:
+                grads.consume(chunk.units)
+            if i > 0:
+                self._wait(chunks[i - 1])
+            self._page_out(chunk)
+        for chunk in chunks:
+            self._wait(chunk)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.offload.grads is not None:
+            self.offload.grads.clear()
+        for chunk in self.chunks:
+            chunk.inner.zero_grad(set_to_none)
+
+    # -- state dicts ---------------------------------------------------------------------------
+
+    def _index(self) -> dict[int, int]:
+        return {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The torch layout ({"state", "param_groups"}), with copies of the state tensors."""
+        index = self._index()
+        state: dict[int, dict[str, Any]] = {}
+        for chunk in self.chunks:
+            with self.resident(chunk):
+                for p in chunk.params:
+                    if p in chunk.inner.state:
+                        state[index[id(p)]] = {
+                            k: v.clone() if isinstance(v, torch.Tensor) else v
+                            for k, v in chunk.inner.state[p].items()}
+        return {"state": state, "param_groups": self.state_dict_groups()}
+
+    def state_dict_groups(self) -> list[dict[str, Any]]:
+        """``param_groups`` as torch's state_dict has them (parameters as indices)."""
+        index = self._index()
+        return [{**{k: v for k, v in g.items() if k != "params"},
+                 "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
+
+    def load_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Takes the hyperparameters of saved ``param_groups`` (which must match in shape)."""
+        if len(groups) != len(self.param_groups) or any(
+                len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
+            raise ValueError("optimizer state dict does not match this optimizer's param groups")
+        for g, saved in zip(self.param_groups, groups):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.load_groups(state_dict["param_groups"])
+        index = self._index()
+        for chunk in self.chunks:
+            self.load_chunk(chunk, lambda p: state_dict["state"].get(index[id(p)]))
+
+    def load_chunk(self, chunk: _Chunk, saved_of: Callable[[nn.Parameter], dict | None]) -> None:
+        """Fills one chunk's state from ``saved_of(param)`` (a dict of its state, or None) and
+        pages it out: one chunk in memory at a time."""
+        self._wait(chunk)
+        if chunk.state_unit is not None and chunk.state_unit.state is State.AWAY:
+            chunk.state_unit.allocate()  # refilled below
+            chunk.state_unit.state = State.RESIDENT
+        for p in chunk.params:
+            saved = saved_of(p)
+            if saved is None:
+                continue
+            cur = chunk.inner.state.get(p)
+            for k, v in saved.items():
+                if cur is not None and isinstance(cur.get(k), torch.Tensor):
+                    cur[k].copy_(v)  # same tensors: the paged layout stays valid
+                else:
+                    chunk.inner.state.setdefault(p, {})[k] = (
+                        v.clone().to(p.device) if isinstance(v, torch.Tensor) else v)
+        self._page_out(chunk)
+        self._wait(chunk)
+
+    def resident(self, chunk: _Chunk):
+        """Context: the chunk's state is in memory inside the block."""
+        return _Resident(self, chunk)
+
+
+class _Resident:
+    def __init__(self, opt: PagedOptimizer, chunk: _Chunk) -> None:
+        self.opt, self.chunk = opt, chunk
+
+    def __enter__(self) -> None:
+        self.opt._wait(self.chunk)
+        self.opt._page_in(self.chunk)
+        self.opt._wait(self.chunk)
+        self.paged = self.chunk.state_unit is not None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.paged:
+            u = self.chunk.state_unit
+            u.free()
+            u.state = State.AWAY
+
+
+def optimizer(model: nn.Module, opt_cls: type[torch.optim.Optimizer],
+              params: Iterable | None = None, **kwargs: Any) -> PagedOptimizer:
+    """A ``torch.optim.Optimizer`` over an offloaded model whose state lives in
+    ``policy.optimizer`` ("cpu" or "nvme"; "gpu" with CUDA compute) and is stepped in chunks.
+    ``params``: param groups as torch accepts them (default: all of the model's)."""
+    if not (isinstance(opt_cls, type) and issubclass(opt_cls, torch.optim.Optimizer)):
+        raise TypeError(f"opt_cls must be a torch.optim.Optimizer class, not {opt_cls!r}")
+    if params is not None:
+        params = list(params)
+    return PagedOptimizer(model, opt_cls, params, kwargs)
