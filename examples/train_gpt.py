@@ -1,0 +1,89 @@
+"""Train a GPT-style transformer built from code with its parameters, gradients and AdamW state
+on NVMe, under a CPU budget far smaller than the training state.
+
+    python examples/train_gpt.py                      # embedded defaults: ./scratch, 8 MiB budget
+    python examples/train_gpt.py --dir /mnt/nvme --layers 12 --d 768 --budget 256MiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+
+import psutil
+import torch
+from tqdm import tqdm
+
+import tieroffload
+from tieroffload.models import GPT, token_batch
+from tieroffload.sizes import format_bytes
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return psutil.Process().memory_info().rss
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dir", default="scratch", help="NVMe scratch directory (default ./scratch)")
+    p.add_argument("--budget", default="8MiB", help="CPU budget for resident parameters")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--accumulate", type=int, default=2, help="micro-batches per step")
+    args = p.parse_args()
+
+    created = not os.path.isdir(args.dir)
+    os.makedirs(args.dir, exist_ok=True)
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.d, args.layers, 4, args.seq)
+    nparams = sum(q.numel() for q in model.parameters())
+    policy = tieroffload.Policy(params="nvme", optimizer="nvme", grads="nvme",
+                                nvme_dir=args.dir, device="cpu", cpu_budget=args.budget)
+    tieroffload.offload(model, policy)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    print(f"GPT {args.layers}x{args.d}: {nparams / 1e6:.1f} M parameters, training state "
+          f"{format_bytes(16 * nparams)} (params, grads, AdamW) on NVMe in {args.dir}/, "
+          f"CPU budget {args.budget}")
+    tokens, t0, losses = 0, time.perf_counter(), []
+    try:
+        bar = tqdm(range(args.steps), unit="step")
+        for step in bar:
+            for micro in range(args.accumulate):
+                x, y = token_batch(step * args.accumulate + micro, args.batch, args.seq,
+                                   args.vocab)
+                loss = torch.nn.functional.cross_entropy(
+                    model(x).flatten(0, 1), y.flatten()) / args.accumulate
+                loss.backward()
+                losses.append(loss.item() * args.accumulate)
+                tokens += x.numel()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        seconds = time.perf_counter() - t0
+        st = tieroffload.stats(model)
+        print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} | {tokens / seconds:,.0f} tokens/s | "
+              f"NVMe read {format_bytes(st['bytes_read']['nvme'])}, written "
+              f"{format_bytes(st['bytes_written']['nvme'])} | waited on I/O {st['wait_s']:.1f} s")
+        print(f"peak resident parameters {format_bytes(st['peak_resident'])} (budget "
+              f"{format_bytes(st['budget'])}) | peak RSS {format_bytes(peak_rss())}")
+    finally:
+        opt.close()
+        tieroffload.close(model, restore=False)
+        if created:
+            shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
