@@ -1,0 +1,131 @@
+"""One AdamW training step of a GPT whose parameters and Adam state total several GiB, in one
+run: everything resident (the compute floor), then parameters, gradients and optimizer state on
+NVMe under a CPU budget. Reports the I/O lower bound (bytes moved / the disk's read and write
+GB/s measured here), step time / max(compute, I/O bound), and peak RSS.
+
+    python bench/train_step.py --dir /mnt/nvme --layers 16 --d 1024 --budget 1GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+import tieroffload
+from tieroffload import aio
+from tieroffload.models import GPT, token_batch
+from tieroffload.sizes import format_bytes
+
+
+def rss_peak_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def rss() -> tuple[int, int]:
+    with open("/proc/self/status") as f:
+        d = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+             if k in ("VmRSS", "VmHWM")}
+    return d["VmRSS"], d["VmHWM"]
+
+
+def disk_gbps(directory: str, nbytes: int = 1 << 30) -> tuple[float, float]:
+    """(read, write) GB/s at 1 MiB, queue depth 32, O_DIRECT, in 64 MiB requests."""
+    path = os.path.join(directory, "bench-disk.bin")
+    chunk = 64 << 20
+    bufs = [aio.aligned_empty(chunk) for _ in range(4)]
+    with aio.Engine(queue_depth=32) as eng, aio.open(path, "w+", engine=eng) as f:
+        f.allocate(nbytes)
+        t0 = time.perf_counter()
+        futs = [f.pwrite(bufs[i % 4], off) for i, off in enumerate(range(0, nbytes, chunk))]
+        for fut in futs:
+            fut.result()
+        f.sync()
+        t1 = time.perf_counter()
+        futs = [f.pread(bufs[i % 4], off) for i, off in enumerate(range(0, nbytes, chunk))]
+        for fut in futs:
+            fut.result()
+        t2 = time.perf_counter()
+    os.remove(path)
+    return nbytes / (t2 - t1) / 1e9, nbytes / (t1 - t0) / 1e9
+
+
+def step(model, opt, args, i: int) -> float:
+    t0 = time.perf_counter()
+    for micro in range(args.accumulate):
+        x, y = token_batch(i * args.accumulate + micro, args.batch, args.seq, args.vocab)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / args.accumulate
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dir", default=None)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--d", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--budget", default="1GiB")
+    p.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up)")
+    args = p.parse_args()
+    tmp = tempfile.TemporaryDirectory(dir=args.dir or ".", prefix="bench-train-")
+
+    read_gbps, write_gbps = disk_gbps(tmp.name)
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.d, args.layers, 16, args.seq)
+    n = sum(q.numel() for q in model.parameters())
+    print(f"GPT {args.layers}x{args.d}: {n / 1e6:.0f} M params; params {format_bytes(4 * n)}, "
+          f"Adam state {format_bytes(8 * n)}, grads {format_bytes(4 * n)}")
+    print(f"disk here: read {read_gbps:.2f} GB/s, write {write_gbps:.2f} GB/s")
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    step(model, opt, args, 0)
+    resident = statistics.median(step(model, opt, args, i + 1) for i in range(args.steps))
+    del opt
+    state0 = {k: v.clone() for k, v in model.state_dict().items()}
+
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.d, args.layers, 16, args.seq)
+    model.load_state_dict(state0)
+    del state0
+    tieroffload.offload(model, tieroffload.Policy(
+        params="nvme", optimizer="nvme", grads="nvme", nvme_dir=tmp.name, device="cpu",
+        cpu_budget=args.budget, prefetch="256MiB"))
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-4)
+    step(model, opt, args, 0)
+    base, _ = rss()
+    rss_peak_reset()
+    st0 = tieroffload.stats(model)
+    times = [step(model, opt, args, i + 1) for i in range(args.steps)]
+    st = tieroffload.stats(model)
+    _, peak = rss()
+    ours = statistics.median(times)
+    read = (st["bytes_read"]["nvme"] - st0["bytes_read"]["nvme"]) / args.steps
+    written = (st["bytes_written"]["nvme"] - st0["bytes_written"]["nvme"]) / args.steps
+    io_bound = read / 1e9 / read_gbps + written / 1e9 / write_gbps
+    print(f"per step: NVMe read {format_bytes(read)}, written {format_bytes(written)}; "
+          f"I/O lower bound {io_bound:.2f} s")
+    print(f"step time: resident {resident:.2f} s, tieroffload {ours:.2f} s "
+          f"({ours / max(resident, io_bound):.2f}x max(compute, I/O bound)); "
+          f"waited on I/O {(st['wait_s'] - st0['wait_s']) / args.steps:.2f} s/step")
+    print(f"peak RSS over the measured steps: {format_bytes(peak)} "
+          f"({format_bytes(peak - base)} above the {format_bytes(base)} before them); "
+          f"budget {format_bytes(st['budget'])}, staging {format_bytes(st['overhead'])}")
+    opt.close()
+    tieroffload.close(model, restore=False)
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
