@@ -3,6 +3,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <sys/mman.h>
+
+#include <cerrno>
 #include <system_error>
 
 #include "engine.h"
@@ -75,6 +78,14 @@ PYBIND11_MODULE(_native, m) {
                                {b.size()}, {1});
       });
 
+  m.def(
+      "discard",
+      [](uintptr_t addr, size_t nbytes) {
+        if (madvise(reinterpret_cast<void*>(addr), nbytes, MADV_DONTNEED) != 0)
+          throw std::system_error(errno, std::generic_category(), "madvise");
+      },
+      py::arg("addr"), py::arg("nbytes"),
+      "Gives the pages of [addr, addr+nbytes) back to the OS (page aligned); they read as zeros.");
   m.def("uring_compiled", &uring_compiled, "True when built with liburing.");
   m.def("uring_probe", &uring_probe,
         "0 when an io_uring ring can be created here, else the errno that refused it.");

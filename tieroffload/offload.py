@@ -225,6 +225,8 @@ class OffloadState:
                     # Each parameter needs a storage of its own to be freed and refilled alone.
                     p.data = p.data.to(self.device, copy=True).contiguous()
             u.home = NvmeHome(self.swap, u.nbytes) if self.swap else RamHome(u.nbytes, pin)
+            if self.swap is not None and self.device.type == "cpu":
+                u.adopt_flat(self.swap.align)
             if meta:
                 u.initialized = False
             else:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from . import aio
+from . import _native, aio
 from .swap import SwapSpace
 
 
@@ -142,6 +142,9 @@ class NvmeHome(Home):
 
     def load(self, unit: Unit, mover: Mover) -> None:
         f = self.swap.file
+        if unit.flat is not None:
+            f.pread(unit.flat, self.offset).result()
+            return
         chunks = self._chunks(mover)
         pending: dict[int, aio.Future] = {}
 
@@ -160,6 +163,9 @@ class NvmeHome(Home):
 
     def store(self, unit: Unit, mover: Mover) -> None:
         f = self.swap.file
+        if unit.flat is not None:
+            f.pwrite(unit.flat, self.offset).result()
+            return
         inflight: dict[int, aio.Future] = {}
         for k, (a, b) in enumerate(self._chunks(mover)):
             slot = k % mover.nbuf
@@ -190,8 +196,9 @@ class Unit:
         for _, p in params:
             n = p.numel() * p.element_size()
             self.segments.append(Segment(p, pos, pos + n))
-            pos += n
-        self.nbytes = pos
+            pos = -(-(pos + n) // 64) * 64  # every parameter starts 64-byte aligned
+        self.nbytes = self.segments[-1].end if self.segments else 0
+        self.flat: torch.Tensor | None = None  # see adopt_flat
         self.home: Home | None = None
         self.state = State.RESIDENT
         self.ticket: Ticket | None = None
@@ -204,11 +211,29 @@ class Unit:
     def params(self) -> list[torch.nn.Parameter]:
         return [s.param for s in self.segments]
 
+    def adopt_flat(self, align: int) -> None:
+        """CPU compute with an NVMe home: the parameters become views of one page-aligned
+        buffer, which O_DIRECT fills and drains with no staging copy, and which is released
+        with madvise (its address, and every view autograd saved, stay valid)."""
+        padded = -(-max(self.nbytes, 1) // align) * align
+        self.flat = aio.aligned_empty(padded, pin=False)
+        for s in self.segments:
+            p = s.param
+            dst = self.flat[s.start:s.end]
+            if p.untyped_storage().nbytes() >= s.end - s.start:
+                dst.copy_(p.data.reshape(-1).view(torch.uint8))
+            p.data = dst.view(p.dtype).view(p.shape)
+
     def allocate(self) -> None:
+        if self.flat is not None:
+            return  # pages come back as they are written
         for s in self.segments:
             s.param.untyped_storage().resize_(s.end - s.start)
 
     def free(self) -> None:
+        if self.flat is not None:
+            _native.discard(self.flat.data_ptr(), self.flat.numel())
+            return
         for s in self.segments:
             s.param.untyped_storage().resize_(0)
 

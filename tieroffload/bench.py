@@ -1,0 +1,579 @@
+"""``tieroffload-bench nvme``: how fast is the disk, how fast is tieroffload on it, what to set.
+
+One run measures, side by side and interleaved (so that a noisy disk drifts under every engine
+alike), fio with io_uring as the device's reference, tieroffload's engine with each of its
+backends, a plain Python ``readinto``/``write`` loop, ``aiofiles`` and, where it loads, DeepSpeed's
+``aio_handle``: sequential O_DIRECT reads and writes of one preallocated scratch file, over block
+sizes and queue depths. Reads are cold: the page cache is dropped before each one where that is
+allowed. Figures are medians of the repeats, in GB/s (1e9 bytes per second).
+
+``run_nvme`` returns the same dict that ``--json`` writes; its ``recommended`` block is what
+``IOConfig.from_dict`` / ``IOConfig.from_json`` load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import errno
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import aiofiles
+import torch
+from tqdm import tqdm
+
+from . import __version__, aio
+from .policy import IOConfig
+from .sizes import drop_page_cache, parse_bytes
+
+__all__ = ["BenchError", "format_table", "main", "plot", "run_nvme"]
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+BLOCK_SIZES = (128 * KiB, MiB, 8 * MiB)
+QUEUE_DEPTHS = (1, 8, 32, 128)
+QUICK_BLOCK_SIZES = (MiB,)
+QUICK_QUEUE_DEPTHS = (8, 32)
+DEFAULT_SIZE = GiB
+QUICK_SIZE = 256 * MiB
+MIN_SIZE = 8 * MiB
+# Seconds one measurement may take before it stops submitting: bounds the slow points
+# (queue depth 1, small blocks) so that a full sweep stays within minutes.
+TIME_CAP = 1.0
+QUICK_TIME_CAP = 0.5
+# The engine is fed requests of this size from one reused buffer, enough of them in flight that
+# its own queue depth, not the feeding, limits concurrency.
+CHUNK = 64 * MiB
+# DeepSpeed's aio_handle reads or writes a whole tensor from file offset 0, so its figure covers
+# at most this many bytes.
+DEEPSPEED_MAX = GiB
+# Configurations within this fraction of the best are taken as equal: the smaller one is advised.
+WITHIN = 0.03
+FIO = "fio"
+ENGINE_PREFIX = "tieroffload/"
+
+
+class BenchError(ValueError):
+    """Bad input, told in one line (the CLI prints it and exits with code 2)."""
+
+
+class _FioFailed(RuntimeError):
+    """fio ran but failed (e.g. a build without io_uring): the run goes on without it."""
+
+
+def format_size(n: int) -> str:
+    """128K, 1M, 8M, 1G: the short binary form fio and the table use."""
+    for unit, scale in (("P", 1 << 50), ("T", 1 << 40), ("G", GiB), ("M", MiB), ("K", KiB)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n / MiB:.1f}M" if n >= MiB else str(n)
+
+
+@dataclass(frozen=True)
+class _Point:
+    direction: str
+    block_size: int
+    queue_depth: int
+
+
+@dataclass
+class _Contender:
+    """One engine in the comparison: ``measure(point)`` returns (bytes moved, seconds)."""
+
+    name: str
+    sweeps: bool  # over every queue depth; else at queue depth 1 only (a serial loop)
+    measure: Callable[[_Point], tuple[int, float]]
+
+
+class _Scratch:
+    """The scratch file and what it allows: created here so that an unwritable directory fails
+    before anything is measured, removed by ``remove`` whatever happened."""
+
+    def __init__(self, directory: str, size: int) -> None:
+        self.path = os.path.join(directory, f".tieroffload-bench-{os.getpid()}.tmp")
+        try:
+            os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except OSError as e:
+            raise BenchError(f"--dir {directory}: not writable ({e.strerror})") from None
+        self.direct = True
+        try:
+            os.close(os.open(self.path, os.O_RDONLY | os.O_DIRECT))
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.direct = False
+        self.size = size
+
+    def opener(self) -> Callable[[str, int], int]:
+        """``open(..., opener=)`` that adds O_DIRECT when the file system takes it."""
+        extra = os.O_DIRECT if self.direct else 0
+        return lambda path, flags: os.open(path, flags | extra)
+
+    def remove(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _measure_engine(scratch: _Scratch, backend: str, buf: torch.Tensor, cap_s: float,
+                    p: _Point) -> tuple[int, float]:
+    """tieroffload at (block size, queue depth): the file in CHUNK requests, enough in flight
+    that the engine's queue depth is the limit; timed from the first submit to the last
+    completion, as fio times its jobs."""
+    write = p.direction == "write"
+    window = -(-p.queue_depth * p.block_size // buf.numel()) + 1
+    threads = p.queue_depth if backend == "threads" else None
+    with aio.Engine(backend, p.queue_depth, p.block_size, threads) as eng, \
+            aio.open(scratch.path, "r+" if write else "r", eng, direct=scratch.direct) as f:
+        op = f.pwrite if write else f.pread
+        inflight: collections.deque[aio.Future] = collections.deque()
+        end, offset, moved = scratch.size, 0, 0
+        start = time.perf_counter()
+        while True:
+            while offset < end and len(inflight) < window:
+                n = min(buf.numel(), end - offset)
+                inflight.append(op(buf, offset, n))
+                offset += n
+            if not inflight:
+                break
+            moved += inflight.popleft().result()
+            if time.perf_counter() - start > cap_s:
+                end = offset
+        return moved, time.perf_counter() - start
+
+
+def _measure_fio(scratch: _Scratch, cap_s: float, p: _Point) -> tuple[int, float]:
+    """fio with io_uring on the same file, block size and queue depth; its own timing."""
+    cmd = [FIO, "--name=tieroffload-bench", f"--filename={scratch.path}", f"--rw={p.direction}",
+           f"--bs={p.block_size}", f"--iodepth={p.queue_depth}", "--ioengine=io_uring",
+           f"--direct={int(scratch.direct)}", f"--size={scratch.size}", "--allow_file_create=0",
+           f"--runtime={max(1, int(cap_s * 1000))}ms", "--output-format=json"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        why = (out.stderr.strip() or out.stdout.strip() or f"exit code {out.returncode}")
+        raise _FioFailed(f"fio failed: {why.splitlines()[-1]}")
+    job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0][p.direction]
+    # fio reports whole milliseconds: a run shorter than one is floored to one.
+    return job["io_bytes"], max(job["runtime"], 1) / 1000
+
+
+def _measure_python(scratch: _Scratch, buf: torch.Tensor, cap_s: float,
+                    p: _Point) -> tuple[int, float]:
+    """A plain loop of ``readinto``/``write`` calls, one block at a time."""
+    write = p.direction == "write"
+    view = memoryview(buf.numpy())
+    moved = 0
+    with open(scratch.path, "r+b" if write else "rb", buffering=0,
+              opener=scratch.opener()) as f:
+        start = time.perf_counter()
+        while moved < scratch.size and time.perf_counter() - start <= cap_s:
+            chunk = view[:min(p.block_size, scratch.size - moved)]
+            moved += f.write(chunk) if write else f.readinto(chunk)
+        return moved, time.perf_counter() - start
+
+
+def _measure_aiofiles(scratch: _Scratch, buf: torch.Tensor, cap_s: float,
+                      p: _Point) -> tuple[int, float]:
+    """The same loop through ``aiofiles``, as asyncio code would write it."""
+    write = p.direction == "write"
+    view = memoryview(buf.numpy())
+
+    async def loop() -> tuple[int, float]:
+        moved = 0
+        async with aiofiles.open(scratch.path, "r+b" if write else "rb", buffering=0,
+                                 opener=scratch.opener()) as f:
+            start = time.perf_counter()
+            while moved < scratch.size and time.perf_counter() - start <= cap_s:
+                chunk = view[:min(p.block_size, scratch.size - moved)]
+                moved += await (f.write(chunk) if write else f.readinto(chunk))
+            return moved, time.perf_counter() - start
+
+    return asyncio.run(loop())
+
+
+def _deepspeed_aio() -> tuple[Any, str]:
+    """DeepSpeed's loaded async_io op, or None and why not."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return None, "deepspeed is not installed: no DeepSpeed row"
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        builder = AsyncIOBuilder()
+        if not builder.is_compatible(verbose=False):
+            return None, ("DeepSpeed's async_io op is not compatible here (libaio missing?): "
+                          "no DeepSpeed row")
+        return builder.load(verbose=False), ""
+    except Exception as e:  # a JIT build fails in many ways; the row is optional
+        first = (str(e).strip().splitlines() or [""])[0]
+        return None, f"DeepSpeed's async_io op does not load ({type(e).__name__}: {first})"
+
+
+def _measure_deepspeed(ds: Any, scratch: _Scratch, buf: torch.Tensor,
+                       p: _Point) -> tuple[int, float]:
+    """``aio_handle`` at (block size, queue depth), DeepSpeed's defaults otherwise; one
+    synchronous call over the whole buffer, from file offset 0."""
+    handle = ds.aio_handle(p.block_size, p.queue_depth, False, True, 1)
+    call = handle.sync_pwrite if p.direction == "write" else handle.sync_pread
+    start = time.perf_counter()
+    call(buf, scratch.path)
+    return buf.numel(), time.perf_counter() - start
+
+
+def _fill(scratch: _Scratch, buf: torch.Tensor) -> None:
+    """Writes the whole file once, unmeasured: reads of fallocated but never written extents
+    return zeros without touching the device, and first writes pay for extent conversion."""
+    with aio.Engine("auto", 32, MiB) as eng, \
+            aio.open(scratch.path, "r+", eng, direct=scratch.direct) as f:
+        f.allocate(scratch.size)
+        futures = [f.pwrite(buf, off, min(buf.numel(), scratch.size - off))
+                   for off in range(0, scratch.size, buf.numel())]
+        for fut in futures:
+            fut.result()
+
+
+def _contenders(scratch: _Scratch, buf: torch.Tensor, block_sizes: tuple[int, ...],
+                cap_s: float, notes: list[str]) -> list[_Contender]:
+    """fio (the reference, when installed), each tieroffload backend, the serial loops and
+    DeepSpeed (when it loads); what is missing goes into ``notes``."""
+    block_buf = buf[:max(block_sizes)]
+    contenders = []
+    if shutil.which(FIO):
+        contenders.append(_Contender(FIO, True, lambda p: _measure_fio(scratch, cap_s, p)))
+    else:
+        notes.append("fio is not installed: no reference column, no ratios (apt-get install fio)")
+    for backend in aio.backends():
+        contenders.append(_Contender(
+            ENGINE_PREFIX + backend, True,
+            lambda p, b=backend: _measure_engine(scratch, b, buf, cap_s, p)))
+    ds, why = _deepspeed_aio()
+    if ds is None:
+        notes.append(why)
+    else:
+        ds_buf = aio.aligned_empty(min(scratch.size, DEEPSPEED_MAX))
+        for off in range(0, ds_buf.numel(), buf.numel()):
+            piece = ds_buf[off:off + buf.numel()]
+            piece.copy_(buf[:piece.numel()])
+        contenders.append(_Contender(
+            "deepspeed", True, lambda p: _measure_deepspeed(ds, scratch, ds_buf, p)))
+    contenders.append(_Contender(
+        "python", False, lambda p: _measure_python(scratch, block_buf, cap_s, p)))
+    contenders.append(_Contender(
+        "aiofiles", False, lambda p: _measure_aiofiles(scratch, block_buf, cap_s, p)))
+    return contenders
+
+
+def _check_dir(directory: str) -> None:
+    if not os.path.exists(directory):
+        raise BenchError(f"--dir {directory}: no such directory")
+    if not os.path.isdir(directory):
+        raise BenchError(f"--dir {directory}: not a directory")
+
+
+def _check_space(directory: str, size: int) -> None:
+    free = shutil.disk_usage(directory).free
+    if free < size:
+        raise BenchError(f"--dir {directory}: not enough free space for --size "
+                         f"{format_size(size)} ({size / 1e9:.3g} GB needed, {free / 1e9:.3g} GB "
+                         "free)")
+
+
+def run_nvme(directory: str | os.PathLike, size: int | str | None = None, *, quick: bool = False,
+             repeats: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Runs the sweep in ``directory`` and returns every measurement, a summary of medians, the
+    ``recommended`` I/O settings and notes. ``size``: bytes or a string like "1G" (default 1G,
+    256M with ``quick``), rounded down to a whole MiB. ``quick``: 1M blocks at queue depth 8 and
+    32, one repeat, half-second caps. Raises ``BenchError`` on bad input, before writing."""
+    directory = os.fspath(directory)
+    if size is None:
+        size = QUICK_SIZE if quick else DEFAULT_SIZE
+    elif isinstance(size, str):
+        try:
+            size = parse_bytes(size)
+        except ValueError as e:
+            raise BenchError(f"--size {e}") from None
+    size = size // MiB * MiB
+    if size < MIN_SIZE:
+        raise BenchError(f"--size must be at least {format_size(MIN_SIZE)}, not {size} bytes")
+    repeats = repeats if repeats is not None else 1 if quick else 3
+    if repeats < 1:
+        raise BenchError(f"--repeats must be at least 1, not {repeats}")
+    block_sizes = QUICK_BLOCK_SIZES if quick else BLOCK_SIZES
+    depths = QUICK_QUEUE_DEPTHS if quick else QUEUE_DEPTHS
+    cap_s = QUICK_TIME_CAP if quick else TIME_CAP
+    _check_dir(directory)
+
+    notes: list[str] = []
+    scratch = _Scratch(directory, size)
+    bar = None
+    try:
+        _check_space(directory, size)
+        if not scratch.direct:
+            notes.append(f"{directory} refuses O_DIRECT: every engine ran buffered, so the "
+                         "figures include the page cache")
+        buf = aio.aligned_empty(min(CHUNK, size))
+        buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8))
+        contenders = _contenders(scratch, buf, block_sizes, cap_s, notes)
+
+        points = sorted({_Point(d, bs, qd) for d in ("read", "write") for bs in block_sizes
+                         for qd in (*depths, 1)},
+                        key=lambda p: (p.direction, p.block_size, p.queue_depth))
+        plan = [(p, [c for c in contenders if (c.sweeps and (p.queue_depth in depths
+                                                             or c.name == FIO))
+                     or (not c.sweeps and p.queue_depth == 1)])
+                for p in points]
+        cold = True
+        dropped: set[str] = set()
+        runs: list[dict[str, Any]] = []
+        bar = tqdm(total=1 + repeats * sum(len(cs) for _, cs in plan), unit="run",
+                   disable=not progress, file=sys.stderr, desc="nvme bench")
+        bar.set_postfix_str(f"writing the {format_size(size)} scratch file")
+        _fill(scratch, buf)
+        bar.update()
+        for rep in range(repeats):
+            for p, cs in plan:
+                # Rotating the order keeps any engine from always running first after a drop.
+                k = rep % len(cs)
+                for c in cs[k:] + cs[:k]:
+                    if c.name not in dropped:
+                        bar.set_postfix_str(f"{c.name} {p.direction} "
+                                            f"{format_size(p.block_size)} qd{p.queue_depth}")
+                        if p.direction == "read":
+                            cold = drop_page_cache() and cold
+                        try:
+                            moved, secs = c.measure(p)
+                            runs.append({"engine": c.name, "direction": p.direction,
+                                         "block_size": p.block_size,
+                                         "queue_depth": p.queue_depth, "repeat": rep,
+                                         "bytes": moved, "seconds": secs,
+                                         "gbps": moved / secs / 1e9})
+                        except _FioFailed as e:
+                            notes.append(f"{e}: fio left out of the comparison")
+                            dropped.add(c.name)
+                    bar.update()
+    finally:
+        if bar is not None:
+            bar.close()
+        scratch.remove()
+    if not cold:
+        notes.append("cannot drop the page cache (needs root): reads may be warm")
+    summary = _summarise(runs)
+    recommended, figures = _recommend(summary)
+    return {
+        "tool": "tieroffload-bench nvme",
+        "version": __version__,
+        "dir": os.path.abspath(directory),
+        "size": size,
+        "quick": quick,
+        "repeats": repeats,
+        "time_cap_s": cap_s,
+        "direct": scratch.direct,
+        "cold_reads": cold,
+        "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
+        "units": "GB/s = 1e9 bytes per second",
+        "notes": notes,
+        "engines": [c.name for c in contenders],
+        "runs": runs,
+        "summary": summary,
+        "recommended": recommended,
+        "recommended_figures": figures,
+    }
+
+
+def _summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median GB/s per (engine, direction, block size, queue depth), and its ratio to fio's
+    median at the same point (None without fio)."""
+    groups: dict[tuple[str, str, int, int], list[float]] = collections.defaultdict(list)
+    for r in runs:
+        groups[(r["engine"], r["direction"], r["block_size"], r["queue_depth"])].append(r["gbps"])
+    medians = {k: statistics.median(v) for k, v in groups.items()}
+    summary = []
+    for (engine, direction, bs, qd), med in medians.items():
+        ref = medians.get((FIO, direction, bs, qd))
+        summary.append({"engine": engine, "direction": direction, "block_size": bs,
+                        "queue_depth": qd, "gbps": med, "runs": len(groups[engine, direction,
+                                                                            bs, qd]),
+                        "ratio_to_fio": med / ref if ref else None})
+    return summary
+
+
+def _recommend(summary: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tieroffload setting with the best harmonic mean of read and write GB/s; among those
+    within WITHIN of it, the one with the least memory in flight (queue depth x block size)."""
+    rows = {(r["engine"], r["direction"], r["block_size"], r["queue_depth"]): r for r in summary}
+    scored = []
+    for (engine, direction, bs, qd), read in rows.items():
+        write = rows.get((engine, "write", bs, qd))
+        if direction == "read" and engine.startswith(ENGINE_PREFIX) and write is not None:
+            hmean = 2 / (1 / read["gbps"] + 1 / write["gbps"])
+            scored.append((hmean, engine, bs, qd, read, write))
+    best = max(s[0] for s in scored)
+    _, engine, bs, qd, read, write = min(
+        (s for s in scored if s[0] >= best * (1 - WITHIN)),
+        key=lambda s: (s[2] * s[3], s[3], s[1] != ENGINE_PREFIX + "io_uring"))
+    backend = engine[len(ENGINE_PREFIX):]
+    recommended = IOConfig(backend=backend, block_size=bs, queue_depth=qd,
+                           threads=qd if backend == "threads" else None).to_dict()
+    fio_read = rows.get((FIO, "read", bs, qd))
+    fio_write = rows.get((FIO, "write", bs, qd))
+    figures = {"read_gbps": read["gbps"], "write_gbps": write["gbps"],
+               "fio_read_gbps": fio_read["gbps"] if fio_read else None,
+               "fio_write_gbps": fio_write["gbps"] if fio_write else None,
+               "read_ratio_to_fio": read["ratio_to_fio"],
+               "write_ratio_to_fio": write["ratio_to_fio"]}
+    return recommended, figures
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The printed report: one line per (direction, block size, queue depth), each engine's
+    median GB/s and, in brackets, its ratio to fio there; then the recommendation and notes."""
+    rows = {(r["engine"], r["direction"], r["block_size"], r["queue_depth"]): r
+            for r in result["summary"]}
+    engines = [e for e in result["engines"] if any(r[0] == e for r in rows)]
+    points = sorted({k[1:] for k in rows})
+    labels = [e[len(ENGINE_PREFIX):] if e.startswith(ENGINE_PREFIX) else e for e in engines]
+    width = 14
+    out = [f"tieroffload-bench nvme: {format_size(result['size'])} in {result['dir']}, "
+           f"median of {result['repeats']} runs in GB/s (1e9 B/s), (ratio to fio at the same "
+           "block size and queue depth); io_uring and threads are tieroffload's backends",
+           f"{'dir':<6}{'block':>6}{'qd':>5}  " + "".join(f"{x:>{width}}" for x in labels)]
+    for direction, bs, qd in points:
+        cells = []
+        for e in engines:
+            r = rows.get((e, direction, bs, qd))
+            if r is None:
+                cells.append("-")
+            elif e == FIO or r["ratio_to_fio"] is None:
+                cells.append(f"{r['gbps']:.2f}")
+            else:
+                cells.append(f"{r['gbps']:.2f} ({r['ratio_to_fio']:.2f})")
+        out.append(f"{direction:<6}{format_size(bs):>6}{qd:>5}  "
+                   + "".join(f"{c:>{width}}" for c in cells))
+    rec, fig = result["recommended"], result["recommended_figures"]
+    line = (f"recommended: backend={rec['backend']} block_size={format_size(rec['block_size'])} "
+            f"queue_depth={rec['queue_depth']} threads={rec['threads']}: "
+            f"read {fig['read_gbps']:.2f} GB/s, write {fig['write_gbps']:.2f} GB/s")
+    if fig["read_ratio_to_fio"] is not None and fig["write_ratio_to_fio"] is not None:
+        line += (f" ({fig['read_ratio_to_fio']:.2f} and {fig['write_ratio_to_fio']:.2f} of fio's "
+                 f"{fig['fio_read_gbps']:.2f} and {fig['fio_write_gbps']:.2f})")
+    out.append(line)
+    out.extend(f"note: {n}" for n in result["notes"])
+    return "\n".join(out)
+
+
+def _import_pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise BenchError("--plot needs matplotlib, which is not installed "
+                         "(pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(result: dict[str, Any], path: str | os.PathLike) -> None:
+    """Writes a PNG: GB/s against queue depth, one panel per direction and block size, one line
+    per engine (the serial loops are single points at queue depth 1)."""
+    plt = _import_pyplot()
+    summary = result["summary"]
+    block_sizes = sorted({r["block_size"] for r in summary})
+    depths = sorted({r["queue_depth"] for r in summary})
+    engines = result["engines"]
+    fig, axes = plt.subplots(2, len(block_sizes), figsize=(4.5 * len(block_sizes), 7.5),
+                             squeeze=False)
+    for i, direction in enumerate(("read", "write")):
+        top = 1.1 * max(r["gbps"] for r in summary if r["direction"] == direction)
+        for j, bs in enumerate(block_sizes):
+            ax = axes[i][j]
+            for e in engines:
+                pts = sorted((r["queue_depth"], r["gbps"]) for r in summary
+                             if r["engine"] == e and r["direction"] == direction
+                             and r["block_size"] == bs)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=e,
+                            linestyle="--" if e == FIO else "-")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(depths, [str(d) for d in depths])
+            ax.set_title(f"{direction}, {format_size(bs)} blocks")
+            ax.set_xlabel("queue depth")
+            ax.set_ylabel("GB/s (1e9 B/s)")
+            ax.set_ylim(0, top)  # one scale per row, so block sizes compare at a glance
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize="small")
+    fig.suptitle(f"tieroffload-bench nvme: {format_size(result['size'])} in {result['dir']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _check_output(flag: str, path: str | None) -> None:
+    """A missing output folder fails now, not after minutes of measuring."""
+    if path is not None:
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise BenchError(f"{flag} {path}: no such directory {parent}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tieroffload-bench nvme --dir DIR [--size 1G] [--quick] [--json F] [--plot F]``."""
+    parser = argparse.ArgumentParser(
+        prog="tieroffload-bench",
+        description="Measures the disk (fio), tieroffload on it and the alternatives, side by "
+                    "side, and says which I/O settings to use.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    nvme = sub.add_parser(
+        "nvme", help="sequential O_DIRECT read/write sweep of one scratch file",
+        description="Sweeps read and write over block sizes and queue depths for fio (io_uring), "
+                    "each tieroffload backend, a Python loop, aiofiles and DeepSpeed (when it "
+                    "loads); prints a table and the recommended settings.")
+    nvme.add_argument("--dir", required=True, help="directory on the disk to measure")
+    nvme.add_argument("--size", help="scratch file size, e.g. 1G, 512M, 1GiB "
+                                     f"(default {format_size(DEFAULT_SIZE)}, "
+                                     f"{format_size(QUICK_SIZE)} with --quick)")
+    nvme.add_argument("--quick", action="store_true",
+                      help="1M blocks at queue depth 8 and 32, one repeat (well under 30 s)")
+    nvme.add_argument("--repeats", type=int,
+                      help="interleaved repeats per point, medians reported (default 3, 1 quick)")
+    nvme.add_argument("--json", metavar="OUT.json",
+                      help="write every measurement and the recommended block")
+    nvme.add_argument("--plot", metavar="OUT.png", help="write GB/s against queue depth (PNG)")
+    args = parser.parse_args(argv)
+
+    # SIGTERM takes the same way out as Ctrl-C, so the scratch file is removed either way.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        _check_output("--json", args.json)
+        _check_output("--plot", args.plot)
+        if args.plot:
+            _import_pyplot()
+        result = run_nvme(args.dir, args.size, quick=args.quick, repeats=args.repeats)
+        print(format_table(result))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        if args.plot:
+            plot(result, args.plot)
+    except BenchError as e:
+        print(f"tieroffload-bench nvme: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tieroffload-bench nvme: interrupted; scratch file removed", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
