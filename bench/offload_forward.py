@@ -21,7 +21,7 @@ from torch import nn
 
 import tieroffload
 from tieroffload import aio
-from tieroffload.sizes import drop_page_cache
+from tieroffload.memory import drop_page_cache
 
 WIDTH = 4096
 
@@ -32,15 +32,12 @@ def build(gib: float) -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(n)])
 
 
-def timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn`` with a cold page cache before each run."""
-    times = []
-    for _ in range(repeats):
-        drop_page_cache()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def cold(fn) -> float:
+    """Seconds of ``fn`` after dropping the page cache."""
+    drop_page_cache()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def run_model(model: nn.Module, x: torch.Tensor, train: bool) -> None:
@@ -52,26 +49,31 @@ def run_model(model: nn.Module, x: torch.Tensor, train: bool) -> None:
             model(x)
 
 
-def io_floor(directory: str, nbytes: int, repeats: int) -> float:
-    """Seconds to read ``nbytes`` cold with O_DIRECT at 1 MiB, queue depth 32."""
-    path = os.path.join(directory, "bench-io.bin")
-    chunk = 64 << 20
-    buf = aio.aligned_empty(chunk)
-    with aio.Engine(queue_depth=32, block_size=1 << 20) as eng:
-        with aio.open(path, "w+", engine=eng) as f:
-            f.allocate(nbytes)
-            for off in range(0, nbytes, chunk):
-                f.pwrite(buf, off, min(chunk, nbytes - off)).result()
+class IOFloor:
+    """Reads the same bytes as the model's weights, O_DIRECT, 1 MiB, queue depth 32."""
 
-            def read_all() -> None:
-                futs = [f.pread(aio.aligned_empty(min(chunk, nbytes - off)), off)
-                        for off in range(0, nbytes, chunk)]
-                for fut in futs:
-                    fut.result()
+    CHUNK = 64 << 20
 
-            t = timed(read_all, repeats)
-    os.remove(path)
-    return t
+    def __init__(self, directory: str, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.eng = aio.Engine(queue_depth=32, block_size=1 << 20)
+        self.file = aio.open(os.path.join(directory, "bench-io.bin"), "w+", engine=self.eng)
+        self.file.allocate(nbytes)
+        buf = aio.aligned_empty(self.CHUNK)
+        for off in range(0, nbytes, self.CHUNK):
+            self.file.pwrite(buf, off, min(self.CHUNK, nbytes - off)).result()
+        self.bufs = [aio.aligned_empty(min(self.CHUNK, nbytes - off))
+                     for off in range(0, nbytes, self.CHUNK)]
+
+    def read_all(self) -> None:
+        futs = [self.file.pread(b, i * self.CHUNK) for i, b in enumerate(self.bufs)]
+        for fut in futs:
+            fut.result()
+
+    def close(self) -> None:
+        self.file.close()
+        self.eng.close()
+        os.remove(self.file.path)
 
 
 def main() -> None:
@@ -90,34 +92,44 @@ def main() -> None:
     directory = tmp.name
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
 
+    # Three copies of one model: resident, tieroffload (NVMe), Accelerate (disk_offload). The
+    # disk is noisy, so every repeat runs all of them, interleaved, and medians are reported.
     model = build(args.gib)
     nbytes = sum(q.numel() * q.element_size() for q in model.parameters())
     print(f"{len(model)} x Linear({WIDTH},{WIDTH}) = {nbytes / 2**30:.2f} GiB fp32, "
-          f"{'train step' if args.train else 'inference'}, cold cache, medians of {args.repeats}")
-    io_s = io_floor(directory, nbytes, args.repeats)
+          f"{'train step' if args.train else 'inference'}, cold cache, medians of {args.repeats}"
+          " interleaved runs")
     xs = {b: torch.randn(b, WIDTH) for b in batches}
-    resident = {b: timed(lambda b=b: run_model(model, xs[b], args.train), args.repeats)
-                for b in batches}
-
-    policy = tieroffload.Policy(params="nvme", nvme_dir=directory, device="cpu",
-                                cpu_budget=args.budget, prefetch=args.prefetch)
-    tieroffload.offload(model, policy)
-    run_model(model, xs[batches[0]], args.train)  # records the order
-    ours = {b: timed(lambda b=b: run_model(model, xs[b], args.train), args.repeats)
-            for b in batches}
-    st = tieroffload.stats(model)
-    tieroffload.close(model)
-
-    accel: dict[int, float] = {}
+    ours_model = tieroffload.offload(build(args.gib), tieroffload.Policy(
+        params="nvme", nvme_dir=directory, device="cpu", cpu_budget=args.budget,
+        prefetch=args.prefetch))
+    contenders = {"resident": model, "tieroffload": ours_model}
     try:
         from accelerate import disk_offload
     except ImportError:
-        print("accelerate is not installed: its row is skipped")
+        print("accelerate is not installed: its column is empty")
     else:
-        disk_offload(model, os.path.join(directory, "accelerate"), execution_device="cpu")
-        run_model(model, xs[batches[0]], args.train)
-        accel = {b: timed(lambda b=b: run_model(model, xs[b], args.train), args.repeats)
-                 for b in batches}
+        accel_model = build(args.gib)
+        disk_offload(accel_model, os.path.join(directory, "accelerate"), execution_device="cpu")
+        contenders["accelerate"] = accel_model
+    floor = IOFloor(directory, nbytes)
+    for m in contenders.values():
+        run_model(m, xs[batches[0]], args.train)  # warm-up; tieroffload records the order
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.repeats):
+        times.setdefault(("io", 0), []).append(cold(floor.read_all))
+        for b in batches:
+            for name, m in contenders.items():
+                t = cold(lambda m=m, b=b: run_model(m, xs[b], args.train))
+                times.setdefault((name, b), []).append(t)
+    floor.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    io_s = med[("io", 0)]
+    resident = {b: med[("resident", b)] for b in batches}
+    ours = {b: med[("tieroffload", b)] for b in batches}
+    accel = {b: med[("accelerate", b)] for b in batches if ("accelerate", b) in med}
+    st = tieroffload.stats(ours_model)
+    tieroffload.close(ours_model, restore=False)
 
     print(f"pure I/O (read {nbytes / 1e9:.2f} GB, O_DIRECT 1 MiB qd32): {io_s:.2f} s "
           f"= {nbytes / io_s / 1e9:.2f} GB/s")

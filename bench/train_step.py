@@ -19,20 +19,9 @@ import torch.nn.functional as F
 
 import tieroffload
 from tieroffload import aio
+from tieroffload.memory import peak_rss, reset_peak_rss, rss
 from tieroffload.models import GPT, token_batch
 from tieroffload.sizes import format_bytes
-
-
-def rss_peak_reset() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def rss() -> tuple[int, int]:
-    with open("/proc/self/status") as f:
-        d = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
-             if k in ("VmRSS", "VmHWM")}
-    return d["VmRSS"], d["VmHWM"]
 
 
 def disk_gbps(directory: str, nbytes: int = 1 << 30) -> tuple[float, float]:
@@ -104,12 +93,12 @@ def main() -> None:
         cpu_budget=args.budget, prefetch="256MiB"))
     opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-4)
     step(model, opt, args, 0)
-    base, _ = rss()
-    rss_peak_reset()
+    base = rss()
+    reset_peak_rss()
     st0 = tieroffload.stats(model)
     times = [step(model, opt, args, i + 1) for i in range(args.steps)]
     st = tieroffload.stats(model)
-    _, peak = rss()
+    peak = peak_rss()
     ours = statistics.median(times)
     read = (st["bytes_read"]["nvme"] - st0["bytes_read"]["nvme"]) / args.steps
     written = (st["bytes_written"]["nvme"] - st0["bytes_written"]["nvme"]) / args.steps

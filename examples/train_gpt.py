@@ -12,21 +12,13 @@ import os
 import shutil
 import time
 
-import psutil
 import torch
 from tqdm import tqdm
 
 import tieroffload
+from tieroffload.memory import peak_rss
 from tieroffload.models import GPT, token_batch
 from tieroffload.sizes import format_bytes
-
-
-def peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return psutil.Process().memory_info().rss
 
 
 def main() -> None:

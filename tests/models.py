@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from tieroffload.models import GPT
+
 
 def mlp(width: int = 64, depth: int = 6) -> nn.Module:
     layers = []
@@ -27,24 +29,14 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class TinyGPT(nn.Module):
-    """A GPT-style transformer whose output head shares the embedding's weight."""
+class TinyGPT(GPT):
+    """The package's GPT (output head tied to the embedding) with nn.MultiheadAttention blocks,
+    which read their out_proj's parameters without calling it."""
 
     def __init__(self, vocab: int = 97, d: int = 32, layers: int = 3, heads: int = 4,
                  seq: int = 16) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(seq, d)
+        super().__init__(vocab, d, layers, heads, seq)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.wte.weight  # tied
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln_f(x))
 
 
 class Branchy(nn.Module):

@@ -261,29 +261,24 @@ def test_nvme_dir_without_room_is_refused_before_writing(tmp_path):
 RSS_CHILD = r"""
 import sys, torch, tieroffload
 from torch import nn
-
-def rss():
-    with open("/proc/self/status") as f:
-        pairs = (line.split(":", 1) for line in f)
-        return {k: int(v.split()[0]) * 1024 for k, v in pairs if k in ("VmRSS", "VmHWM")}
+from tieroffload.memory import peak_rss, reset_peak_rss, rss
 
 torch.manual_seed(0)
 model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(16)])  # 16 MiB a unit, 256 MiB
 x = torch.randn(4, 2048)
 with torch.no_grad():
     want = model(x)
-before = rss()["VmRSS"]
+before = rss()
 tieroffload.offload(model, tieroffload.Policy(params="nvme", nvme_dir=sys.argv[1], device="cpu",
                                               cpu_budget="48MiB"))
-after = rss()["VmRSS"]
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # reset the peak
-base = rss()["VmRSS"]
+after = rss()
+assert reset_peak_rss()
+base = rss()
 with torch.no_grad():
     for _ in range(3):
         out = model(x)
 st = tieroffload.stats(model)
-print(before, after, base, rss()["VmHWM"], st["budget"], st["overhead"], st["peak_resident"],
+print(before, after, base, peak_rss(), st["budget"], st["overhead"], st["peak_resident"],
       int(torch.equal(out, want)))
 """
 

@@ -198,10 +198,7 @@ def test_full_disk_keeps_previous_checkpoint(tmp_path):
 MEMORY_CHILD = r"""
 import sys, torch, tieroffload
 from torch import nn
-def rss():
-    with open("/proc/self/status") as f:
-        pairs = (line.split(":", 1) for line in f)
-        return {k: int(v.split()[0]) * 1024 for k, v in pairs if k in ("VmRSS", "VmHWM")}
+from tieroffload.memory import peak_rss, reset_peak_rss, rss
 torch.manual_seed(0)
 with torch.device("meta"):
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])  # 64 MiB of params
@@ -218,12 +215,11 @@ def step():
     opt.zero_grad()
     return loss.item()
 step()
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-base = rss()["VmRSS"]
+assert reset_peak_rss()
+base = rss()
 losses = [step() for _ in range(3)]
 st = tieroffload.stats(model)
-print(base, rss()["VmHWM"], st["budget"], st["overhead"], int(losses[-1] < losses[0]))
+print(base, peak_rss(), st["budget"], st["overhead"], int(losses[-1] < losses[0]))
 """
 
 
@@ -238,3 +234,78 @@ def test_training_memory_stays_under_budget(tmp_path):
     # The stated bound: budget + staging overhead + one optimizer chunk in flight (its state,
     # the next one's state and its gradients: 4 x budget / 4) + 16 MiB of activations and slack.
     assert peak - base <= 2 * budget + overhead + 16 * mib, (peak - base) / mib
+
+
+def manual_master_step(ref, masters, opt_ref, scale):
+    """The reference: fp32 masters stepped by plain torch AdamW, copied back rounded."""
+    for q, p in zip(masters, ref.parameters()):
+        q.grad = p.grad.float()
+        if scale:
+            q.grad.mul_(1.0 / scale)
+    opt_ref.step()
+    with torch.no_grad():
+        for q, p in zip(masters, ref.parameters()):
+            p.copy_(q)
+    ref.zero_grad()
+    opt_ref.zero_grad()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("config", ["cpu-cpu", "nvme-nvme-grads"])
+def test_mixed_precision_fp32_masters(dtype, config, tmp_path):
+    torch.manual_seed(0)
+    ref = TinyGPT().to(dtype)
+    model = tieroffload.offload(copy.deepcopy(ref), policy(config, tmp_path))
+    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    opt_ref = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    scale = 256.0 if dtype == torch.float16 else None
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2, loss_scale=scale)
+    assert opt.loss_scale == scale
+    for step in range(6):
+        x = batch(step, 0)
+        loss_ref = ref(x).float().square().mean()
+        (loss_ref * scale if scale else loss_ref).backward()
+        manual_master_step(ref, masters, opt_ref, scale)
+        loss = model(x).float().square().mean()
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        assert loss.item() == loss_ref.item(), step
+    with tieroffload.materialize(model):
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert b.dtype == dtype and torch.equal(a, b)
+    sd = opt.state_dict()
+    for i, q in enumerate(masters):  # the masters are fp32 and kept in the optimizer state
+        assert sd["state"][i]["master"].dtype == torch.float32
+        assert torch.equal(sd["state"][i]["master"], q)
+    opt.close()
+    tieroffload.close(model)
+
+
+@pytest.mark.parametrize("config", ["cpu-cpu", "nvme-nvme-grads"])
+def test_fp16_overflow_skips_the_step(config, tmp_path):
+    torch.manual_seed(0)
+    model = tieroffload.offload(TinyGPT().half(), policy(config, tmp_path))
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2, loss_scale="dynamic")
+    scale0 = opt.loss_scale
+    assert scale0 == 2.0**16
+    with tieroffload.materialize(model):
+        before = [p.detach().clone() for p in model.parameters()]
+    loss = model(batch(0, 0)).float().square().mean() * float("inf")
+    opt.scale_loss(loss).backward()
+    opt.step()
+    opt.zero_grad()
+    assert opt.skipped_steps == 1 and opt.loss_scale == scale0 / 2
+    with tieroffload.materialize(model):
+        for a, b in zip(before, model.parameters()):
+            assert torch.equal(a, b)  # nothing was applied
+    for step in range(1, 8):  # then it trains on, halving until the scale fits
+        opt.scale_loss(model(batch(step, 0)).float().square().mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.skipped_steps < 8
+    with tieroffload.materialize(model):
+        assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    opt.close()
+    tieroffload.close(model)

@@ -11,7 +11,8 @@ import time
 import torch
 
 from . import aio
-from .sizes import drop_page_cache, format_bytes, parse_bytes
+from .memory import drop_page_cache
+from .sizes import format_bytes, parse_bytes
 
 
 def roundtrip(directory: str, backend: str, total: int, tensor_bytes: int) -> tuple[float, float]:

@@ -35,8 +35,9 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, aio
+from .memory import drop_page_cache
 from .policy import IOConfig
-from .sizes import drop_page_cache, parse_bytes
+from .sizes import parse_bytes
 
 __all__ = ["BenchError", "format_table", "main", "plot", "run_nvme"]
 

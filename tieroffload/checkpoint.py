@@ -91,6 +91,7 @@ def _write(tmp: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
            extra: Any) -> dict[str, Any]:
     state = getattr(model, "_tieroffload", None)
     scalars: dict[str, Any] = {}
+    loss_scale = None
     with open(os.path.join(tmp, "tensors.bin"), "wb") as f:
         w = _Writer(f)
         if state is not None:
@@ -108,14 +109,16 @@ def _write(tmp: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
             index = optimizer._index()
             for chunk in optimizer.chunks:
                 with optimizer.resident(chunk):
-                    for p in chunk.params:
-                        for k, v in chunk.inner.state.get(p, {}).items():
+                    for p, st in optimizer.entries(chunk):
+                        for k, v in st.items():
                             key = f"optim/{index[id(p)]}/{k}"
                             if isinstance(v, torch.Tensor):
                                 w.add(key, v)
                             else:
                                 scalars[key] = v
             groups = optimizer.state_dict_groups()
+            if optimizer.scaler is not None:
+                loss_scale = optimizer.scaler.state_dict()
         elif optimizer is not None:
             sd = optimizer.state_dict()
             for i, st in sd["state"].items():
@@ -128,7 +131,8 @@ def _write(tmp: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
-    torch.save({"param_groups": groups, "scalars": scalars, "extra": extra},
+    torch.save({"param_groups": groups, "scalars": scalars, "loss_scale": loss_scale,
+                "extra": extra},
                os.path.join(tmp, "extra.pt"))
     with open(os.path.join(tmp, "extra.pt"), "rb+") as f:
         os.fsync(f.fileno())
@@ -236,6 +240,8 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any],
         raise CheckpointError("checkpoint has no optimizer state")
     if isinstance(optimizer, PagedOptimizer):
         optimizer.load_groups(saved["param_groups"])
+        if optimizer.scaler is not None and saved.get("loss_scale"):
+            optimizer.scaler.load_state_dict(saved["loss_scale"])
         index = optimizer._index()
         for chunk in optimizer.chunks:
             optimizer.load_chunk(chunk, lambda p: state_of(index[id(p)]))

@@ -20,6 +20,7 @@ class GradPager:
         self.stats = stats
         self.buffers: dict[int, Unit] = {}
         self.has: dict[int, list[bool]] = {}  # per parameter: a gradient is stored
+        self.finite: dict[int, bool] = {}  # per unit: its stored gradients hold no inf/NaN
         for u in units:
             grads = [(f"{n}.grad", torch.empty_like(p, memory_format=torch.contiguous_format))
                      for n, p in zip(u.names, u.params) if p.requires_grad]
@@ -56,6 +57,7 @@ class GradPager:
                 buf.copy_(p.grad)
                 has[i] = True
             p.grad = None
+        self.finite[u.id] = all(bool(torch.isfinite(s.param.data).all()) for s in g.segments)
         timed_wait(self.mover.store(g), self.stats)
         g.free()
 
@@ -86,7 +88,12 @@ class GradPager:
                 p.grad = None
             g.free()
             self.has[u.id] = [False] * len(self.has[u.id])
+            self.finite.pop(u.id, None)
 
     def clear(self) -> None:
         for uid in self.has:
             self.has[uid] = [False] * len(self.has[uid])
+        self.finite.clear()
+
+    def all_finite(self) -> bool:
+        return all(self.finite.values())

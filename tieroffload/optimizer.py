@@ -34,15 +34,50 @@ def _close_all() -> None:
         opt.close()
 
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
 class _Chunk:
-    def __init__(self, params: list[nn.Parameter], units: list[Unit], inner: Any,
-                 group_of: list[int]) -> None:
+    def __init__(self, params: list[nn.Parameter], units: list[Unit],
+                 masters: dict[int, nn.Parameter]) -> None:
         self.params = params
         self.units = units
-        self.inner = inner
-        self.group_of = group_of  # outer group index of each inner group
+        self.masters = masters  # fp32 master copies of the fp16/bf16 parameters, by position
+        self.inner: Any = None
+        self.group_of: list[int] = []  # outer group index of each inner group
         self.state_unit: Unit | None = None  # the chunk's state tensors, once they exist
         self.pending: Ticket | None = None   # a load or store on its way
+
+    def inner_param(self, i: int) -> nn.Parameter:
+        """What the inner optimizer steps: the master copy, or the parameter itself."""
+        return self.masters.get(i, self.params[i])
+
+
+class LossScale:
+    """Dynamic loss scaling for fp16: halves the scale and skips the step when a gradient
+    overflows, doubles it after ``interval`` good steps."""
+
+    def __init__(self, scale: float = 2.0**16, interval: int = 2000, dynamic: bool = True):
+        self.scale, self.interval, self.dynamic = scale, interval, dynamic
+        self.good = 0
+        self.skipped = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.skipped += 1
+            self.good = 0
+            if self.dynamic:
+                self.scale /= 2
+        else:
+            self.good += 1
+            if self.dynamic and self.good % self.interval == 0:
+                self.scale *= 2
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
 
 
 class PagedOptimizer(torch.optim.Optimizer):
@@ -51,7 +86,8 @@ class PagedOptimizer(torch.optim.Optimizer):
     _tieroffload_paged = True  # the plain-optimizer hooks of offload() leave this one alone
 
     def __init__(self, model: nn.Module, opt_cls: type[torch.optim.Optimizer],
-                 params: Iterable | None, kwargs: dict[str, Any]) -> None:
+                 params: Iterable | None, kwargs: dict[str, Any],
+                 loss_scale: str | float | None = "auto") -> None:
         self.offload: OffloadState = _state(model)
         policy = self.offload.policy
         self.tier = policy.optimizer
@@ -69,7 +105,6 @@ class PagedOptimizer(torch.optim.Optimizer):
         super().__init__(list(model.parameters()) if params is None else params,
                          dict(probe.defaults))
         self.opt_cls, self.kwargs = opt_cls, kwargs
-        self.chunks = self._build_chunks(model)
         self.swap: SwapSpace | None = None
         self.mover = self.offload.mover
         self._owned: list[Any] = []  # engine, mover and swap made here, closed by close()
@@ -83,6 +118,12 @@ class PagedOptimizer(torch.optim.Optimizer):
             if self.swap is None:
                 self.swap = self._own_swap(model, engine)
                 self._owned.insert(0, self.swap)
+        self.chunks = self._build_chunks()
+        fp16 = any(p.dtype == torch.float16 for c in self.chunks for p in c.params)
+        if loss_scale == "auto":
+            loss_scale = "dynamic" if fp16 else None
+        self.scaler = (None if loss_scale is None else LossScale() if loss_scale == "dynamic"
+                       else LossScale(float(loss_scale), dynamic=False))
         _live.add(self)
 
     def close(self) -> None:
@@ -99,7 +140,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             raise ValueError('optimizer="nvme" needs nvme_dir in the policy')
         return SwapSpace(nvme_dir, 0, stable_tag(names) + "-optim", engine)
 
-    def _build_chunks(self, model: nn.Module) -> list[_Chunk]:
+    def _build_chunks(self) -> list[_Chunk]:
         group_index = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         order: list[list[nn.Parameter]] = []
         units: list[list[Unit]] = []
@@ -120,27 +161,43 @@ class PagedOptimizer(torch.optim.Optimizer):
             size += u.nbytes
         chunks = []
         for ps, us in zip(order, units):
-            groups, group_of = [], []
+            masters: dict[int, nn.Parameter] = {}
+            if any(p.dtype in LOW_PRECISION for p in ps):
+                with self.offload.resident(us):
+                    masters = {i: nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
+                               for i, p in enumerate(ps) if p.dtype in LOW_PRECISION}
+            chunk = _Chunk(ps, us, masters)
+            groups = []
             for gi, g in enumerate(self.param_groups):
-                mine = [p for p in ps if group_index[id(p)] == gi]
+                mine = [chunk.inner_param(i) for i, p in enumerate(ps) if group_index[id(p)] == gi]
                 if mine:
                     groups.append({**{k: v for k, v in g.items() if k != "params"},
                                    "params": mine})
-                    group_of.append(gi)
-            inner = self.opt_cls(groups, **self.kwargs)
-            inner._tieroffload_inner = True  # a chunk: no over-budget warning for it
-            chunks.append(_Chunk(ps, us, inner, group_of))
+                    chunk.group_of.append(gi)
+            chunk.inner = self.opt_cls(groups, **self.kwargs)
+            chunk.inner._tieroffload_inner = True  # a chunk: no over-budget warning for it
+            chunks.append(chunk)
+            self._page_out(chunk)  # the master copies go to their tier at once
+            self._wait(chunk)
         return chunks
 
     # -- paging the state ----------------------------------------------------------------------
 
-    def _state_tensors(self, chunk: _Chunk) -> list[tuple[str, torch.Tensor]]:
+    def entries(self, chunk: _Chunk) -> list[tuple[nn.Parameter, dict[str, Any]]]:
+        """Each parameter of the chunk with its state (the master copy under "master")."""
         out = []
         for i, p in enumerate(chunk.params):
-            for key, t in sorted(chunk.inner.state.get(p, {}).items()):
-                if isinstance(t, torch.Tensor):
-                    out.append((f"{i}.{key}", t))
+            q = chunk.inner_param(i)
+            st = dict(chunk.inner.state.get(q, {})) if chunk.inner is not None else {}
+            if q is not p:
+                st["master"] = q.data
+            if st:
+                out.append((p, st))
         return out
+
+    def _state_tensors(self, chunk: _Chunk) -> list[tuple[str, torch.Tensor]]:
+        return [(f"{i}.{key}", t) for i, (_, st) in enumerate(self.entries(chunk))
+                for key, t in sorted(st.items()) if isinstance(t, torch.Tensor)]
 
     def _page_in(self, chunk: _Chunk) -> None:
         """Starts bringing the chunk's state back (no wait)."""
@@ -169,7 +226,10 @@ class PagedOptimizer(torch.optim.Optimizer):
         tensors = self._state_tensors(chunk)
         if not tensors:
             return
-        if chunk.state_unit is None:
+        old = chunk.state_unit
+        if old is None or [id(s.param) for s in old.segments] != [id(t) for _, t in tensors]:
+            if old is not None:  # the state grew (after the first step): a new layout
+                old.home.release()
             u = Unit(-1, f"optimizer state of {chunk.units[0].name}", tensors)
             u.home = NvmeHome(self.swap, u.nbytes)
             chunk.state_unit = u
@@ -191,6 +251,12 @@ class PagedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         chunks = self.chunks
+        scale = self.scaler.scale if self.scaler is not None else None
+        if scale is not None and self._overflow():
+            self.scaler.update(overflow=True)  # skip this step: its gradients are lost
+            for chunk in chunks:
+                self._consume_grads(chunk)
+            return loss
         for i, chunk in enumerate(chunks):
             if i == 0:
                 self._page_in(chunk)
@@ -199,24 +265,71 @@ class PagedOptimizer(torch.optim.Optimizer):
                 self._wait(chunks[i + 1])  # its previous store, if any, is done
                 self._page_in(chunks[i + 1])
             self._sync_groups(chunk)
-            grads = self.offload.grads
-            if grads is not None:
-                grads.bring_in(chunk.units)
-            chunk.inner.step()  # offload()'s step hooks bring the chunk's parameters in and out
-            if grads is not None:
-                grads.consume(chunk.units)
+            if self.offload.grads is not None:
+                self.offload.grads.bring_in(chunk.units)
+            self._step_chunk(chunk, scale)
+            self._consume_grads(chunk)
             if i > 0:
                 self._wait(chunks[i - 1])
             self._page_out(chunk)
         for chunk in chunks:
             self._wait(chunk)
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
         return loss
+
+    def _step_chunk(self, chunk: _Chunk, scale: float | None) -> None:
+        for i, p in enumerate(chunk.params):
+            g = p.grad
+            q = chunk.masters.get(i)
+            if q is not None:
+                q.grad = None if g is None else g.float()
+                g = q.grad
+            if g is not None and scale is not None:
+                g.mul_(1.0 / scale)
+        if not chunk.masters:
+            chunk.inner.step()  # offload()'s step hooks bring the chunk's parameters in and out
+            return
+        with self.offload.resident(chunk.units, writeback=True):
+            chunk.inner.step()
+            for i, q in chunk.masters.items():
+                chunk.params[i].copy_(q)
+                q.grad = None
+
+    def _consume_grads(self, chunk: _Chunk) -> None:
+        if self.offload.grads is not None:
+            self.offload.grads.consume(chunk.units)
+
+    def _overflow(self) -> bool:
+        """True when any gradient is inf or NaN (fp16 loss scaling)."""
+        if self.offload.grads is not None:
+            return not self.offload.grads.all_finite()
+        return any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
+                   for c in self.chunks for p in c.params)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (fp16); backward that, then ``step()`` unscales."""
+        return loss if self.scaler is None else loss * self.scaler.scale
+
+    @property
+    def loss_scale(self) -> float | None:
+        return None if self.scaler is None else self.scaler.scale
+
+    @property
+    def skipped_steps(self) -> int:
+        return 0 if self.scaler is None else self.scaler.skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.offload.grads is not None:
             self.offload.grads.clear()
         for chunk in self.chunks:
             chunk.inner.zero_grad(set_to_none)
+            for i in chunk.masters:  # the fp16/bf16 parameters' own gradients
+                p = chunk.params[i]
+                if set_to_none or p.grad is None:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
 
     # -- state dicts ---------------------------------------------------------------------------
 
@@ -229,12 +342,13 @@ class PagedOptimizer(torch.optim.Optimizer):
         state: dict[int, dict[str, Any]] = {}
         for chunk in self.chunks:
             with self.resident(chunk):
-                for p in chunk.params:
-                    if p in chunk.inner.state:
-                        state[index[id(p)]] = {
-                            k: v.clone() if isinstance(v, torch.Tensor) else v
-                            for k, v in chunk.inner.state[p].items()}
-        return {"state": state, "param_groups": self.state_dict_groups()}
+                for p, st in self.entries(chunk):
+                    state[index[id(p)]] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                           for k, v in st.items()}
+        sd = {"state": state, "param_groups": self.state_dict_groups()}
+        if self.scaler is not None:
+            sd["loss_scale"] = self.scaler.state_dict()
+        return sd
 
     def state_dict_groups(self) -> list[dict[str, Any]]:
         """``param_groups`` as torch's state_dict has them (parameters as indices)."""
@@ -252,6 +366,8 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.load_groups(state_dict["param_groups"])
+        if self.scaler is not None and "loss_scale" in state_dict:
+            self.scaler.load_state_dict(state_dict["loss_scale"])
         index = self._index()
         for chunk in self.chunks:
             self.load_chunk(chunk, lambda p: state_dict["state"].get(index[id(p)]))
@@ -263,17 +379,20 @@ class PagedOptimizer(torch.optim.Optimizer):
         if chunk.state_unit is not None and chunk.state_unit.state is State.AWAY:
             chunk.state_unit.allocate()  # refilled below
             chunk.state_unit.state = State.RESIDENT
-        for p in chunk.params:
+        for i, p in enumerate(chunk.params):
             saved = saved_of(p)
             if saved is None:
                 continue
-            cur = chunk.inner.state.get(p)
+            q = chunk.inner_param(i)
+            cur = chunk.inner.state.get(q)
             for k, v in saved.items():
-                if cur is not None and isinstance(cur.get(k), torch.Tensor):
+                if k == "master":
+                    q.data.copy_(v)
+                elif cur is not None and isinstance(cur.get(k), torch.Tensor):
                     cur[k].copy_(v)  # same tensors: the paged layout stays valid
                 else:
-                    chunk.inner.state.setdefault(p, {})[k] = (
-                        v.clone().to(p.device) if isinstance(v, torch.Tensor) else v)
+                    chunk.inner.state.setdefault(q, {})[k] = (
+                        v.clone().to(q.device) if isinstance(v, torch.Tensor) else v)
         self._page_out(chunk)
         self._wait(chunk)
 
@@ -300,12 +419,19 @@ class _Resident:
 
 
 def optimizer(model: nn.Module, opt_cls: type[torch.optim.Optimizer],
-              params: Iterable | None = None, **kwargs: Any) -> PagedOptimizer:
+              params: Iterable | None = None, *, loss_scale: str | float | None = "auto",
+              **kwargs: Any) -> PagedOptimizer:
     """A ``torch.optim.Optimizer`` over an offloaded model whose state lives in
     ``policy.optimizer`` ("cpu" or "nvme"; "gpu" with CUDA compute) and is stepped in chunks.
-    ``params``: param groups as torch accepts them (default: all of the model's)."""
+    ``params``: param groups as torch accepts them (default: all of the model's).
+
+    fp16 and bf16 parameters get fp32 master copies in the optimizer's tier (taken from their
+    values now); the step updates the masters and writes them back rounded. ``loss_scale``:
+    "auto" (dynamic when any parameter is fp16, else none), "dynamic", a fixed number, or None;
+    with scaling, backward ``opt.scale_loss(loss)``, and a step whose gradients overflow is
+    skipped (``opt.skipped_steps``)."""
     if not (isinstance(opt_cls, type) and issubclass(opt_cls, torch.optim.Optimizer)):
         raise TypeError(f"opt_cls must be a torch.optim.Optimizer class, not {opt_cls!r}")
     if params is not None:
         params = list(params)
-    return PagedOptimizer(model, opt_cls, params, kwargs)
+    return PagedOptimizer(model, opt_cls, params, kwargs, loss_scale)

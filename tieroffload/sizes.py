@@ -1,8 +1,7 @@
-"""Byte counts as people write them ("2GiB", "512M", 1e9) and the page cache."""
+"""Byte counts as people write them ("2GiB", "512M", 1e9)."""
 
 from __future__ import annotations
 
-import os
 import re
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 1000**2,
@@ -31,14 +30,3 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
-
-
-def drop_page_cache() -> bool:
-    """Syncs and drops the page cache so that reads are cold; False where not permitted."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False

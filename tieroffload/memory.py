@@ -1,0 +1,47 @@
+"""This process's resident memory (what budgets are checked against) and the page cache."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+
+def _status() -> dict[str, int]:
+    try:
+        with open("/proc/self/status") as f:
+            pairs = (line.split(":", 1) for line in f)
+            return {k: int(v.split()[0]) * 1024 for k, v in pairs if k in ("VmRSS", "VmHWM")}
+    except OSError:  # not Linux: no peak, the current figure stands in
+        rss = psutil.Process().memory_info().rss
+        return {"VmRSS": rss, "VmHWM": rss}
+
+
+def rss() -> int:
+    """Resident set size now, in bytes."""
+    return _status()["VmRSS"]
+
+
+def peak_rss() -> int:
+    """The highest resident set size since start or since ``reset_peak_rss()``."""
+    return _status()["VmHWM"]
+
+
+def _proc_write(path: str, value: str) -> bool:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+        return True
+    except OSError:
+        return False
+
+
+def reset_peak_rss() -> bool:
+    """Starts a new peak from now (Linux's clear_refs); False where that is not allowed."""
+    return _proc_write("/proc/self/clear_refs", "5")
+
+
+def drop_page_cache() -> bool:
+    """Syncs and drops the page cache so that reads are cold; False where not permitted."""
+    os.sync()
+    return _proc_write("/proc/sys/vm/drop_caches", "3\n")
