@@ -45,7 +45,23 @@ def disk_gbps(directory: str, nbytes: int = 1 << 30) -> tuple[float, float]:
     return nbytes / (t2 - t1) / 1e9, nbytes / (t1 - t0) / 1e9
 
 
-def step(model, opt, args, i: int) -> float:
+class RandomWeights(dict):
+    """GPT-2-style initial weights, made one tensor at a time as load_weights asks for them."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__((name, tuple(p.shape)) for name, p in model.named_parameters())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = super().__getitem__(name)
+        if name.endswith("bias"):
+            return torch.zeros(shape)
+        if len(shape) == 1:
+            return torch.ones(shape)
+        return torch.randn(shape) * 0.02
+
+
+def step(model, opt, args, i: int) -> tuple[float, float]:
+    """(seconds, loss) of training step ``i``."""
     t0 = time.perf_counter()
     for micro in range(args.accumulate):
         x, y = token_batch(i * args.accumulate + micro, args.batch, args.seq, args.vocab)
@@ -53,7 +69,7 @@ def step(model, opt, args, i: int) -> float:
         loss.backward()
     opt.step()
     opt.zero_grad()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, loss.item() * args.accumulate
 
 
 def main() -> None:
@@ -67,36 +83,49 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--budget", default="1GiB")
     p.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up)")
+    p.add_argument("--meta", action="store_true",
+                   help="no resident run: build on the meta device and stream random weights "
+                        "into NVMe (for a model whose training state exceeds RAM)")
     args = p.parse_args()
     tmp = tempfile.TemporaryDirectory(dir=args.dir or ".", prefix="bench-train-")
 
     read_gbps, write_gbps = disk_gbps(tmp.name)
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.d, args.layers, 16, args.seq)
+    with torch.device("meta" if args.meta else "cpu"):
+        model = GPT(args.vocab, args.d, args.layers, 16, args.seq)
     n = sum(q.numel() for q in model.parameters())
     print(f"GPT {args.layers}x{args.d}: {n / 1e6:.0f} M params; params {format_bytes(4 * n)}, "
           f"Adam state {format_bytes(8 * n)}, grads {format_bytes(4 * n)}")
     print(f"disk here: read {read_gbps:.2f} GB/s, write {write_gbps:.2f} GB/s")
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    step(model, opt, args, 0)
-    resident = statistics.median(step(model, opt, args, i + 1) for i in range(args.steps))
-    del opt
-    state0 = {k: v.clone() for k, v in model.state_dict().items()}
-
-    torch.manual_seed(0)
-    model = GPT(args.vocab, args.d, args.layers, 16, args.seq)
-    model.load_state_dict(state0)
-    del state0
+    resident = None
+    if not args.meta:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        step(model, opt, args, 0)
+        resident = statistics.median(step(model, opt, args, i + 1)[0] for i in range(args.steps))
+        del opt
+        state0 = {k: v.clone() for k, v in model.state_dict().items()}
+        torch.manual_seed(0)
+        model = GPT(args.vocab, args.d, args.layers, 16, args.seq)
+        model.load_state_dict(state0)
+        del state0
     tieroffload.offload(model, tieroffload.Policy(
         params="nvme", optimizer="nvme", grads="nvme", nvme_dir=tmp.name, device="cpu",
         cpu_budget=args.budget, prefetch="256MiB"))
+    if args.meta:
+        t0 = time.perf_counter()
+        tieroffload.load_weights(model, RandomWeights(model))
+        print(f"streamed random weights to NVMe in {time.perf_counter() - t0:.0f} s")
     opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-4)
     step(model, opt, args, 0)
     base = rss()
     reset_peak_rss()
     st0 = tieroffload.stats(model)
-    times = [step(model, opt, args, i + 1) for i in range(args.steps)]
+    times = []
+    for i in range(args.steps):
+        seconds, loss = step(model, opt, args, i + 1)
+        times.append(seconds)
+        print(f"step {i + 1}: {seconds:.1f} s, loss {loss:.4f}", flush=True)
     st = tieroffload.stats(model)
     peak = peak_rss()
     ours = statistics.median(times)
@@ -105,8 +134,9 @@ def main() -> None:
     io_bound = read / 1e9 / read_gbps + written / 1e9 / write_gbps
     print(f"per step: NVMe read {format_bytes(read)}, written {format_bytes(written)}; "
           f"I/O lower bound {io_bound:.2f} s")
-    print(f"step time: resident {resident:.2f} s, tieroffload {ours:.2f} s "
-          f"({ours / max(resident, io_bound):.2f}x max(compute, I/O bound)); "
+    floor = io_bound if resident is None else max(resident, io_bound)
+    print(f"step time: resident {'-' if resident is None else f'{resident:.2f} s'}, "
+          f"tieroffload {ours:.2f} s ({ours / floor:.2f}x max(compute, I/O bound)); "
           f"waited on I/O {(st['wait_s'] - st0['wait_s']) / args.steps:.2f} s/step")
     print(f"peak RSS over the measured steps: {format_bytes(peak)} "
           f"({format_bytes(peak - base)} above the {format_bytes(base)} before them); "

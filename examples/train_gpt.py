@@ -71,8 +71,7 @@ def main() -> None:
         print(f"peak resident parameters {format_bytes(st['peak_resident'])} (budget "
               f"{format_bytes(st['budget'])}) | peak RSS {format_bytes(peak_rss())}")
     finally:
-        opt.close()
-        tieroffload.close(model, restore=False)
+        tieroffload.close(model, restore=False)  # its optimizer and swap space too
         if created:
             shutil.rmtree(args.dir, ignore_errors=True)
 

@@ -81,6 +81,7 @@ class OffloadState:
         self._grads_seen: dict[int, int] = {}
         self.swap: SwapSpace | None = None
         self.grads: GradPager | None = None
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # paged ones, closed with us
         self.engine = None
         self.mover: Mover | None = None
 
@@ -391,6 +392,8 @@ class OffloadState:
     def close(self, restore: bool = True) -> None:
         """Removes the hooks and the swap space. With ``restore`` the parameters are made
         resident first, so the model goes on as a plain model."""
+        for opt in list(self.optimizers):
+            opt.close()
         if restore and self.mover is not None:
             self.scheduler.acquire(self.units, force=True, record=False)
         for h in self._handles:
@@ -488,7 +491,8 @@ def load_weights(model: nn.Module, source: str | os.PathLike | dict[str, torch.T
 
 
 def close(model: nn.Module, restore: bool = True) -> None:
-    """Undoes ``offload``: removes hooks and deletes the swap space (see OffloadState.close)."""
+    """Undoes ``offload``: removes hooks, closes its paged optimizers and deletes the swap space
+    (see OffloadState.close)."""
     _state(model).close(restore)
     model._tieroffload = None
 

@@ -125,6 +125,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self.scaler = (None if loss_scale is None else LossScale() if loss_scale == "dynamic"
                        else LossScale(float(loss_scale), dynamic=False))
         _live.add(self)
+        self.offload.optimizers.add(self)
 
     def close(self) -> None:
         """Deletes the swap space this optimizer made (the state in it is lost)."""
