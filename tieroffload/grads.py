@@ -1,21 +1,26 @@
 """Gradients paged to NVMe (``Policy(grads="nvme")``).
 
-When a unit's backward is done its gradients are added to what earlier micro-batches left on
-NVMe (``stored + new``: the same sum AccumulateGrad makes) and written there, and ``p.grad`` goes
-back to None, so gradients never pile up in RAM. The paged optimizer reads them back chunk by
-chunk for its step, which consumes them.
+When a unit's backward is done, ``p.grad`` goes back to None and the mover thread adds those
+gradients to what earlier micro-batches left on NVMe (``stored + new``: the sum AccumulateGrad
+makes) and writes them there, while backward goes on; gradients never pile up in RAM. The paged
+optimizer reads them back chunk by chunk for its step, which consumes them.
 """
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from .swap import SwapSpace
-from .tiers import Mover, NvmeHome, Stats, Unit, timed_wait
+from .tiers import Mover, NvmeHome, Stats, Ticket, Unit, timed_wait
 
 
 class GradPager:
+    DEPTH = 2  # units whose gradients may wait for the mover at once
+
     def __init__(self, units: list[Unit], swap: SwapSpace, mover: Mover, stats: Stats) -> None:
+        self.pending: collections.deque[Ticket] = collections.deque()
         self.mover = mover
         self.stats = stats
         self.buffers: dict[int, Unit] = {}
@@ -36,33 +41,51 @@ class GradPager:
         return [p for p in u.params if p.requires_grad]
 
     def page_out(self, u: Unit) -> None:
-        """Adds the unit's fresh gradients to the stored ones and writes them out."""
+        """Hands the unit's fresh gradients to the mover thread, which adds them to the stored
+        ones and writes them out while backward goes on. At most ``DEPTH`` units' gradients
+        wait in memory for it."""
         g = self.buffers.get(u.id)
         if g is None:
             return
         params = self._grad_params(u)
-        has = self.has[u.id]
-        if not any(p.grad is not None for p in params):
+        fresh = [p.grad for p in params]
+        if all(f is None for f in fresh):
             return
-        g.allocate()
-        if any(has):
-            timed_wait(self.mover.load(g), self.stats)
-        for i, (p, seg) in enumerate(zip(params, g.segments)):
-            if p.grad is None:
-                continue
-            buf = seg.param.data
-            if has[i]:
-                buf.add_(p.grad)
-            else:
-                buf.copy_(p.grad)
-                has[i] = True
+        for p in params:
             p.grad = None
-        self.finite[u.id] = all(bool(torch.isfinite(s.param.data).all()) for s in g.segments)
-        timed_wait(self.mover.store(g), self.stats)
-        g.free()
+        has = self.has[u.id]
+        prior = list(has)
+        for i, f in enumerate(fresh):
+            has[i] = has[i] or f is not None
+
+        def job() -> None:
+            g.allocate()
+            if any(prior):
+                g.home.load(g, self.mover)
+                self.stats.bytes_read[g.home.tier] += g.nbytes
+            for f, seg, old in zip(fresh, g.segments, prior):
+                if f is not None:
+                    if old:
+                        seg.param.data.add_(f)
+                    else:
+                        seg.param.data.copy_(f)
+            self.finite[u.id] = all(bool(torch.isfinite(s.param.data).all()) for s in g.segments)
+            g.home.store(g, self.mover)
+            self.stats.bytes_written[g.home.tier] += g.nbytes
+            g.free()
+
+        self.pending.append(self.mover.submit(job))
+        while len(self.pending) > self.DEPTH:
+            timed_wait(self.pending.popleft(), self.stats)
+
+    def flush(self) -> None:
+        """Waits until every gradient handed out is stored."""
+        while self.pending:
+            timed_wait(self.pending.popleft(), self.stats)
 
     def bring_in(self, units: list[Unit]) -> None:
         """Sets ``p.grad`` of the units' parameters from NVMe, for the optimizer step."""
+        self.flush()
         tickets = []
         for u in units:
             g = self.buffers.get(u.id)
@@ -91,9 +114,11 @@ class GradPager:
             self.finite.pop(u.id, None)
 
     def clear(self) -> None:
+        self.flush()
         for uid in self.has:
             self.has[uid] = [False] * len(self.has[uid])
         self.finite.clear()
 
     def all_finite(self) -> bool:
+        self.flush()
         return all(self.finite.values())
