@@ -20,7 +20,8 @@ class GradPager:
     DEPTH = 2  # units whose gradients may wait for the mover at once
 
     def __init__(self, units: list[Unit], swap: SwapSpace, mover: Mover, stats: Stats) -> None:
-        self.pending: collections.deque[Ticket] = collections.deque()
+        self.pending: collections.deque[Ticket] = collections.deque()  # stores
+        self.incoming: dict[int, Ticket] = {}  # loads for the step, by unit
         self.mover = mover
         self.stats = stats
         self.buffers: dict[int, Unit] = {}
@@ -83,17 +84,21 @@ class GradPager:
         while self.pending:
             timed_wait(self.pending.popleft(), self.stats)
 
-    def bring_in(self, units: list[Unit]) -> None:
-        """Sets ``p.grad`` of the units' parameters from NVMe, for the optimizer step."""
+    def start_bring_in(self, units: list[Unit]) -> None:
+        """Starts reading the units' gradients back (the step's next chunk)."""
         self.flush()
-        tickets = []
         for u in units:
             g = self.buffers.get(u.id)
-            if g is not None and any(self.has[u.id]):
+            if g is not None and any(self.has[u.id]) and u.id not in self.incoming:
                 g.allocate()
-                tickets.append(self.mover.load(g))
-        for t in tickets:
-            timed_wait(t, self.stats)
+                self.incoming[u.id] = self.mover.load(g)
+
+    def bring_in(self, units: list[Unit]) -> None:
+        """Sets ``p.grad`` of the units' parameters from NVMe, for the optimizer step."""
+        self.start_bring_in(units)
+        for u in units:
+            if u.id in self.incoming:
+                timed_wait(self.incoming.pop(u.id), self.stats)
         for u in units:
             g = self.buffers.get(u.id)
             if g is None or not any(self.has[u.id]):

@@ -263,8 +263,13 @@ class PagedOptimizer(torch.optim.Optimizer):
                 self._page_in(chunk)
             self._wait(chunk)
             if i + 1 < len(chunks):
-                self._wait(chunks[i + 1])  # its previous store, if any, is done
-                self._page_in(chunks[i + 1])
+                nxt = chunks[i + 1]
+                self._wait(nxt)  # its previous store, if any, is done
+                self._page_in(nxt)
+                if self.offload.grads is not None:
+                    self.offload.grads.start_bring_in(nxt.units)
+                if self.offload.mover is not None:
+                    self.offload.scheduler.prefetch(nxt.units)
             self._sync_groups(chunk)
             if self.offload.grads is not None:
                 self.offload.grads.bring_in(chunk.units)

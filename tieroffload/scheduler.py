@@ -196,6 +196,14 @@ class Scheduler:
                 return
             self._start_fetch(u)
 
+    def prefetch(self, units: list[Unit]) -> None:
+        """Starts fetching ``units`` where the budget has room without evicting a unit in use
+        (the paged optimizer's next chunk)."""
+        for u in units:
+            if u.state is State.AWAY and self._make_room(u.nbytes, force=False, target=u,
+                                                         prefetching=True):
+                self._start_fetch(u)
+
     def trim(self) -> None:
         """Evicts unpinned units until the budget holds again (after a forced acquire)."""
         self._make_room(0, force=True, target=None)
