@@ -18,7 +18,18 @@ if [ ! -f /usr/include/liburing.h ]; then
   fi
 fi
 
-[ -x .venv/bin/python ] || "$PY" -m venv --system-site-packages .venv
+if [ ! -x .venv/bin/python ]; then
+  if ! "$PY" -m venv --system-site-packages .venv 2>/dev/null; then
+    rm -rf .venv  # Debian's python3 needs python3-venv for this
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "setup: installing python3-venv"
+      apt-get install -y -qq python3-venv >/dev/null 2>&1 ||
+        { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq python3-venv >/dev/null; }
+    fi
+    "$PY" -m venv --system-site-packages .venv ||
+      { echo "setup: cannot create a virtual environment (apt-get install python3-venv)"; exit 1; }
+  fi
+fi
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
