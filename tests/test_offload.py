@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -248,11 +249,13 @@ def test_nvme_dir_without_room_is_refused_before_writing(tmp_path):
         with open(os.path.join(where, "keep"), "wb") as f:
             f.write(b"precious")
         model = nn.Sequential(nn.Linear(1024, 1024))  # 4 MiB
+        threads = threading.active_count()
         with pytest.raises(OSError) as ei:
             tieroffload.offload(model, Policy(params="nvme", nvme_dir=where, device="cpu"))
         assert ei.value.errno == errno.ENOSPC
         assert "needs 4198400 bytes" in str(ei.value) and where in str(ei.value)
         assert os.listdir(where) == ["keep"]
+        assert threading.active_count() == threads  # its mover thread was stopped
         with open(os.path.join(where, "keep"), "rb") as f:
             assert f.read() == b"precious"
     assert model[0].weight.abs().sum() > 0  # still usable

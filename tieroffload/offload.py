@@ -97,7 +97,7 @@ class OffloadState:
         self.budget = self._check_budget(largest)
         self._add_descendants(model)
 
-        if not self.offloaded:
+        if not self.offloaded or largest is None:
             # Resident tier: the parameters stay where compute is; nothing moves.
             for p in model.parameters():
                 if id(p) in self._uninitialized:
@@ -112,6 +112,18 @@ class OffloadState:
                 raise MemoryError(
                     f'params="cpu" keeps all {total} bytes ({format_bytes(total)}) of parameters '
                     f"in RAM, over cpu_budget={policy.cpu_budget}; use params=\"nvme\"")
+        try:  # a failure here (no room on the disk, say) leaves no thread or file behind
+            self._setup_tiers(largest, io_delay)
+        except BaseException:
+            self.close(restore=False)
+            raise
+        self._install_hooks(model)
+        _live.add(self)
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _setup_tiers(self, largest: Unit, io_delay: Callable[[], None] | None) -> None:
+        policy = self.policy
         self.engine = policy.io.engine()
         chunk = min(CHUNK, -(-max(largest.nbytes, 1) // 4096) * 4096)
         self.mover = Mover(self.device, chunk, NBUF, self.stats, io_delay)
@@ -127,15 +139,7 @@ class OffloadState:
                                    prefetch_bytes, self.stats)
         self.grads = (GradPager(self.units, self.swap, self.mover, self.stats)
                       if policy.grads == "nvme" else None)
-        try:
-            self._move_home()
-        except BaseException:
-            self.close(restore=False)
-            raise
-        self._install_hooks(model)
-        _live.add(self)
-
-    # -- setup ---------------------------------------------------------------------------------
+        self._move_home()
 
     def _materialize_meta(self, model: nn.Module) -> set[int]:
         """Parameters built on the meta device get real ones on the compute device, with no
