@@ -136,6 +136,39 @@ class Policy:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (JSON-ready); ``Policy.from_dict`` reads it back."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Policy:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown policy settings {unknown}; known: {sorted(names)}")
+        return cls(**d)
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> Policy:
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_deepspeed(cls, config: dict[str, Any] | str | os.PathLike) -> Policy:
+        """A Policy from a DeepSpeed config (a dict or a JSON file): its ZeRO ``offload_param``,
+        ``offload_optimizer`` and ``aio`` sections. Keys tieroffload decides for itself and keys it
+        does not know are logged as a warning, never dropped in silence."""
+        from .deepspeed import policy_from_deepspeed
+
+        if not isinstance(config, dict):
+            with open(config) as f:
+                config = json.load(f)
+        return cls.from_dict(policy_from_deepspeed(config))
+
     def prefetch_window(self) -> tuple[int, int | None]:
         """(units, bytes or None) ahead to prefetch."""
         if isinstance(self.prefetch, str):

@@ -1,0 +1,92 @@
+"""Reading a DeepSpeed ZeRO config into tieroffload's terms, so users can move over.
+
+DeepSpeed counts parameters in elements; tieroffload budgets bytes. Element counts become bytes at
+2 bytes an element (the fp16/bf16 weights ZeRO-3 offload usually holds), and the report says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("tieroffload")
+
+# Settings tieroffload chooses itself: read, reported, not needed.
+DECIDED_HERE = {
+    "offload_param": {"pin_memory", "buffer_count", "buffer_size", "max_in_cpu"},
+    "offload_optimizer": {"pin_memory", "buffer_count", "fast_init", "pipeline", "pipeline_read",
+                          "pipeline_write", "ratio"},
+    "aio": {"single_submit", "overlap_events", "use_gds"},
+    "zero_optimization": {"stage", "sub_group_size", "stage3_param_persistence_threshold",
+                          "stage3_max_reuse_distance", "contiguous_gradients", "overlap_comm",
+                          "reduce_bucket_size", "stage3_gather_16bit_weights_on_model_save",
+                          "round_robin_gradients", "memory_efficient_linear"},
+}
+BYTES_PER_ELEMENT = 2
+TIER = {"nvme": "nvme", "cpu": "cpu", "none": None, None: None}
+
+
+def policy_from_deepspeed(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``Policy.from_dict`` arguments that match ``config``; logs what did not map."""
+    zero = dict(config.get("zero_optimization", {}))
+    param = dict(zero.pop("offload_param", None) or {})
+    optim = dict(zero.pop("offload_optimizer", None) or {})
+    aio = dict(config.get("aio", {}))
+    out: dict[str, Any] = {}
+    unknown: list[str] = []
+    decided: list[str] = []
+
+    def device(section: dict[str, Any], where: str) -> str | None:
+        dev = section.pop("device", None)
+        if dev not in TIER:
+            raise ValueError(f"DeepSpeed {where}.device {dev!r} is not one of nvme, cpu, none")
+        return TIER[dev]
+
+    dirs = set()
+    for section, where, key in ((param, "offload_param", "params"),
+                                (optim, "offload_optimizer", "optimizer")):
+        tier = device(section, where)
+        if tier is not None:
+            out[key] = tier
+        path = section.pop("nvme_path", None)
+        if path and tier == "nvme":
+            dirs.add(path)
+        for k in section:
+            (decided if k in DECIDED_HERE[where] else unknown).append(f"{where}.{k}")
+    if len(dirs) > 1:
+        raise ValueError(f"DeepSpeed config names two nvme_path values {sorted(dirs)}; "
+                         "tieroffload keeps one swap directory")
+    if dirs:
+        out["nvme_dir"] = dirs.pop()
+    for key in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
+        if zero.get(key) == "auto":  # Hugging Face's placeholder: left to tieroffload
+            zero.pop(key)
+            decided.append(f"zero_optimization.{key}")
+    if "stage3_prefetch_bucket_size" in zero:
+        out["prefetch"] = f"{int(zero.pop('stage3_prefetch_bucket_size')) * BYTES_PER_ELEMENT}B"
+    if "stage3_max_live_parameters" in zero:
+        live = int(zero.pop("stage3_max_live_parameters")) * BYTES_PER_ELEMENT
+        out["cpu_budget" if out.get("params") == "nvme" else "gpu_budget"] = live
+    for k in zero:
+        (decided if k in DECIDED_HERE["zero_optimization"] else unknown).append(
+            f"zero_optimization.{k}")
+    io: dict[str, Any] = {}
+    for ds_key, ours in (("block_size", "block_size"), ("queue_depth", "queue_depth"),
+                         ("intra_op_parallelism", "threads"), ("thread_count", "threads")):
+        if ds_key in aio:
+            io[ours] = int(aio.pop(ds_key))
+    for k in aio:
+        (decided if k in DECIDED_HERE["aio"] else unknown).append(f"aio.{k}")
+    if io:
+        out["io"] = io
+    elements = [k for k in ("prefetch", "cpu_budget", "gpu_budget") if k in out]
+    if elements:
+        log.info("DeepSpeed element counts read as %d bytes an element: %s", BYTES_PER_ELEMENT,
+                 ", ".join(elements))
+    if decided:
+        log.warning("DeepSpeed settings that tieroffload decides itself, not used: %s",
+                    ", ".join(sorted(decided)))
+    if unknown:
+        log.warning("DeepSpeed settings tieroffload does not know, not used: %s",
+                    ", ".join(sorted(unknown)))
+    return out
