@@ -62,8 +62,7 @@ class GradPager:
         def job() -> None:
             g.allocate()
             if any(prior):
-                g.home.load(g, self.mover)
-                self.stats.bytes_read[g.home.tier] += g.nbytes
+                self.mover.move_now(g, write=False)
             for f, seg, old in zip(fresh, g.segments, prior):
                 if f is not None:
                     if old:
@@ -71,8 +70,7 @@ class GradPager:
                     else:
                         seg.param.data.copy_(f)
             self.finite[u.id] = all(bool(torch.isfinite(s.param.data).all()) for s in g.segments)
-            g.home.store(g, self.mover)
-            self.stats.bytes_written[g.home.tier] += g.nbytes
+            self.mover.move_now(g, write=True)
             g.free()
 
         self.pending.append(self.mover.submit(job))

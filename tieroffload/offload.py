@@ -352,14 +352,18 @@ class OffloadState:
 
     def _state_dict_post(self) -> Callable:
         def hook(module: nn.Module, sd: dict, prefix: str, meta: Any) -> None:
-            # The entries share storage that eviction frees: hand out copies of the values.
+            # The entries share storage that eviction frees: hand out copies of the values,
+            # bringing each unit in once for all of its parameters.
+            todo: dict[Unit, list[tuple[str, nn.Parameter]]] = {}
             for name, p in module._parameters.items():
                 key = prefix + name
                 u = self.param_unit.get(id(p)) if p is not None else None
-                if u is None or key not in sd or isinstance(sd[key], nn.Parameter):
-                    continue
+                if u is not None and key in sd and not isinstance(sd[key], nn.Parameter):
+                    todo.setdefault(u, []).append((key, p))
+            for u, entries in todo.items():
                 with self.resident([u]):
-                    sd[key] = p.detach().clone()
+                    for key, p in entries:
+                        sd[key] = p.detach().clone()
         return hook
 
     def _load_pre(self, units: list[Unit]) -> Callable:

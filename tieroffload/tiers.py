@@ -328,37 +328,31 @@ class Mover:
         return ticket
 
     def load(self, unit: Unit) -> Ticket:
-        direct = self._direct(unit, write=False)
-        if direct is not None:
-            return direct
-
-        def job() -> None:
-            unit.home.load(unit, self)
-            self.stats.bytes_read[unit.home.tier] += unit.nbytes
-        return self.submit(job)
+        """Brings the unit's bytes from its home (the storage must be allocated)."""
+        return self._move(unit, write=False)
 
     def store(self, unit: Unit) -> Ticket:
-        direct = self._direct(unit, write=True)
-        if direct is not None:
-            return direct
+        """Writes the unit's bytes to its home."""
+        return self._move(unit, write=True)
 
-        def job() -> None:
-            unit.home.store(unit, self)
-            self.stats.bytes_written[unit.home.tier] += unit.nbytes
-        return self.submit(job)
+    def move_now(self, unit: Unit, write: bool) -> None:
+        """The move itself, on the calling thread (the worker's, for jobs that do more)."""
+        (unit.home.store if write else unit.home.load)(unit, self)
+        self._count(unit, write)
 
-    def _direct(self, unit: Unit, write: bool) -> Ticket | None:
-        """A unit with its own aligned buffer and an NVMe home moves by one async request,
-        issued now (unless tests inject delays, which the worker thread applies)."""
+    def _count(self, unit: Unit, write: bool) -> None:
+        (self.stats.bytes_written if write else self.stats.bytes_read)[unit.home.tier] += \
+            unit.nbytes
+
+    def _move(self, unit: Unit, write: bool) -> Ticket:
         home = unit.home
         if unit.flat is None or not isinstance(home, NvmeHome) or self.delay is not None:
-            return None
-        f = home.swap.file
-        if write:
-            self.stats.bytes_written["nvme"] += unit.nbytes
-            return IOTicket(f.pwrite(unit.flat, home.offset))
-        self.stats.bytes_read["nvme"] += unit.nbytes
-        return IOTicket(f.pread(unit.flat, home.offset))
+            return self.submit(lambda: self.move_now(unit, write))
+        # A unit with its own aligned buffer moves by one async request, issued now, so many
+        # can be in flight (tests that inject delays go through the worker instead).
+        self._count(unit, write)
+        io = home.swap.file.pwrite if write else home.swap.file.pread
+        return IOTicket(io(unit.flat, home.offset))
 
     def _run(self) -> None:
         while True:
