@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import psutil
@@ -45,3 +46,13 @@ def drop_page_cache() -> bool:
     """Syncs and drops the page cache so that reads are cold; False where not permitted."""
     os.sync()
     return _proc_write("/proc/sys/vm/drop_caches", "3\n")
+
+
+def return_freed_memory() -> None:
+    """glibc keeps freed large blocks in its heap once its mmap threshold has grown; fixing the
+    threshold makes every large block an mmap, so that freeing it really lowers RSS."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass

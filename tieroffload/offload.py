@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import logging
 import os
 import weakref
@@ -25,6 +24,8 @@ from torch.optim.optimizer import (
 )
 from torch.utils._pytree import tree_flatten
 
+from . import memory
+from .activations import ActivationPager
 from .grads import GradPager
 from .policy import Policy
 from .scheduler import Scheduler
@@ -39,16 +40,6 @@ NBUF = 4          # staging buffers: the fixed overhead is CHUNK * NBUF
 
 _live: weakref.WeakSet[OffloadState] = weakref.WeakSet()
 _warned_step = False
-
-
-def _returns_memory_to_os() -> None:
-    """glibc keeps freed large blocks in its heap once its mmap threshold has grown; fixing the
-    threshold makes every parameter-sized block an mmap, so that eviction really lowers RSS."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def _check_param(module_name: str, name: str, p: nn.Parameter) -> None:
@@ -84,6 +75,8 @@ class OffloadState:
         self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # paged ones, closed with us
         self.engine = None
         self.mover: Mover | None = None
+        self.activations: ActivationPager | None = None
+        self.autobatch: Any = None  # an AutoBatch over this model reports in stats()
 
         if policy.params == "gpu" and self.device.type != "cuda":
             raise ValueError('params="gpu" needs a CUDA compute device; this one is '
@@ -104,20 +97,21 @@ class OffloadState:
                     p.untyped_storage().resize_(p.numel() * p.element_size())
                 elif p.device != self.device:
                     p.data = p.data.to(self.device)
-            return
-
-        if policy.params == "cpu" and policy.cpu_budget is not None:
+        elif policy.params == "cpu" and policy.cpu_budget is not None:
             total = sum(u.nbytes for u in self.units)
             if total > policy.cpu_budget:
                 raise MemoryError(
                     f'params="cpu" keeps all {total} bytes ({format_bytes(total)}) of parameters '
                     f"in RAM, over cpu_budget={policy.cpu_budget}; use params=\"nvme\"")
         try:  # a failure here (no room on the disk, say) leaves no thread or file behind
-            self._setup_tiers(largest, io_delay)
+            if self.offloaded and largest is not None:
+                self._setup_tiers(largest, io_delay)
+                self._install_hooks(model)
+            if policy.activations is not None:
+                self._setup_activations(model, io_delay)
         except BaseException:
             self.close(restore=False)
             raise
-        self._install_hooks(model)
         _live.add(self)
 
     # -- setup ---------------------------------------------------------------------------------
@@ -129,7 +123,7 @@ class OffloadState:
         self.mover = Mover(self.device, chunk, NBUF, self.stats, io_delay)
         if policy.params == "nvme":
             if self.device.type == "cpu":
-                _returns_memory_to_os()
+                memory.return_freed_memory()
             names = [f"{n}:{tuple(s.param.shape)}:{s.param.dtype}"
                      for u in self.units for n, s in zip(u.names, u.segments)]
             need = sum(-(-u.nbytes // 4096) * 4096 for u in self.units)
@@ -140,6 +134,29 @@ class OffloadState:
         self.grads = (GradPager(self.units, self.swap, self.mover, self.stats)
                       if policy.grads == "nvme" else None)
         self._move_home()
+
+    def _setup_activations(self, model: nn.Module, io_delay: Callable[[], None] | None) -> None:
+        """Saved-tensor hooks around the model's forward page what it saves for backward."""
+        policy = self.policy
+        swap = self.swap
+        if policy.activations == "nvme" and swap is None:
+            if self.engine is None:
+                self.engine = policy.io.engine()
+            names = [n for u in self.units for n in u.names]
+            swap = self.swap = SwapSpace(policy.nvme_dir, 0, "act-" + stable_tag(names),
+                                         self.engine)
+        if self.device.type == "cpu":
+            memory.return_freed_memory()
+        params = [p for u in self.units for p in u.params]
+        self.activations = ActivationPager(
+            policy.activations, self.device, policy.activation_threshold,
+            policy.prefetch_window(), swap if policy.activations == "nvme" else None,
+            lambda: params, io_delay)
+        pager = self.activations
+        self._handles.append(model.register_forward_pre_hook(
+            lambda m, a: pager.begin(), prepend=True))
+        self._handles.append(model.register_forward_hook(
+            lambda m, a, o: pager.end(), always_call=True))
 
     def _materialize_meta(self, model: nn.Module) -> set[int]:
         """Parameters built on the meta device get real ones on the compute device, with no
@@ -323,6 +340,8 @@ class OffloadState:
 
     def step_begin(self, optimizer: torch.optim.Optimizer) -> None:
         global _warned_step
+        if self.mover is None:  # nothing is offloaded
+            return
         units = {self.param_unit[id(p)].id: self.param_unit[id(p)]
                  for g in optimizer.param_groups for p in g["params"] if id(p) in self.param_unit}
         if not units:
@@ -410,6 +429,9 @@ class OffloadState:
         if self.mover is not None:
             self.mover.close()
             self.mover = None
+        if self.activations is not None:
+            self.activations.close()
+            self.activations = None
         for u in self.units:
             if u.home is not None:
                 u.home.release()
@@ -451,6 +473,10 @@ def stats(model: nn.Module) -> dict[str, Any]:
     the budget and the fixed staging overhead."""
     s = _state(model)
     d = s.stats.as_dict()
+    if s.activations is not None:
+        d["activations"] = dict(s.activations.stats.__dict__)
+    if s.autobatch is not None:
+        d["autobatch"] = s.autobatch.stats()
     d.update(budget=s.budget, overhead=s.mover.overhead if s.mover else 0,
              device=str(s.device), tier=s.policy.params,
              swap=s.swap.path if s.swap else None)

@@ -86,6 +86,8 @@ class Policy:
     ``optimizer``: the tier of the paged optimizer's state ("gpu", "cpu" or "nvme"; default: the
     compute device's). ``grads``: where gradients go after each unit's backward: the compute
     device (default), or "nvme" (with params="nvme"; consumed by the paged optimizer's step).
+    ``activations``: where tensors saved for backward are paged during forward ("cpu", "nvme",
+    or None to leave them); those under ``activation_threshold`` bytes stay put.
     """
 
     params: str = "cpu"
@@ -97,7 +99,8 @@ class Policy:
     io: IOConfig | dict = dataclasses.field(default_factory=IOConfig)
     optimizer: str | None = None
     grads: str | None = None
-
+    activations: str | None = None
+    activation_threshold: int | str = "1MiB"
 
     def __post_init__(self) -> None:
         if self.params not in TIERS:
@@ -114,12 +117,17 @@ class Policy:
             raise ValueError(f"grads must be one of {TIERS}, not {self.grads!r}")
         if self.optimizer not in TIERS:
             raise ValueError(f"optimizer must be one of {TIERS}, not {self.optimizer!r}")
-        if "nvme" in (self.params, self.optimizer) and not self.nvme_dir:
-            raise ValueError('params="nvme" or optimizer="nvme" needs nvme_dir, the directory '
-                             "for the swap space")
+        if self.activations not in (None, "cpu", "nvme"):
+            raise ValueError(f'activations must be "cpu", "nvme" or None, not '
+                             f"{self.activations!r}")
+        if "nvme" in (self.params, self.optimizer, self.activations) and not self.nvme_dir:
+            raise ValueError('params, optimizer or activations on "nvme" need nvme_dir, the '
+                             "directory for the swap space")
         set_ = object.__setattr__  # frozen: normalise once, here
         set_(self, "gpu_budget", _budget("gpu_budget", self.gpu_budget))
         set_(self, "cpu_budget", _budget("cpu_budget", self.cpu_budget))
+        set_(self, "activation_threshold",
+             _budget("activation_threshold", self.activation_threshold))
         if isinstance(self.io, dict):
             set_(self, "io", IOConfig.from_dict(self.io))
         if isinstance(self.prefetch, str):

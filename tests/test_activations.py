@@ -1,0 +1,227 @@
+"""Activation offload and AutoBatch: same gradients and losses, less memory."""
+
+import copy
+import functools
+import time
+
+import pytest
+import torch
+from models import TinyGPT
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import tieroffload
+from tieroffload import AutoBatch, Policy, memory
+
+
+class Stack(nn.Module):
+    """Blocks of low arithmetic density (a missing wait shows up), optionally checkpointed."""
+
+    def __init__(self, width: int = 128, depth: int = 6, ckpt: str | None = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width))
+            for _ in range(depth))
+        self.ckpt = ckpt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            if self.ckpt is None:
+                x = b(x)
+            else:
+                x = checkpoint(b, x, use_reentrant=self.ckpt == "reentrant")
+        return x
+
+
+def grads_of(model: nn.Module, x: torch.Tensor, steps: int = 2):
+    out = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        loss = model(x).float().square().mean()
+        loss.backward()
+        out.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    return out
+
+
+def assert_same(a, b):
+    for (la, ga), (lb, gb) in zip(a, b):
+        assert torch.equal(la, lb)
+        for x, y in zip(ga, gb):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.004])
+@pytest.mark.parametrize("ckpt", [None, "nonreentrant", "reentrant"])
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_gradients_match(tier, ckpt, delay, tmp_path):
+    torch.manual_seed(0)
+    ref = Stack(ckpt=ckpt)
+    x = torch.randn(1024, 128, requires_grad=ckpt == "reentrant")
+    want = grads_of(ref, x)
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        params="cpu", device="cpu", nvme_dir=str(tmp_path), activations=tier,
+        activation_threshold="64KiB"),
+        _io_delay=functools.partial(time.sleep, delay) if delay else None)
+    got = grads_of(model, x)
+    assert_same(got, want)
+    st = tieroffload.stats(model)["activations"]
+    if tier == "cpu":  # compute is on the CPU: they are in RAM already, nothing moves
+        assert st["offloaded"] == 0 and st["bytes_written"] == 0
+    else:
+        assert st["offloaded"] > 0 and st["bytes_written"] >= st["offloaded"] * (64 << 10) // 2
+        assert st["bytes_read"] > 0
+    tieroffload.close(model)
+
+
+def test_transformer_with_params_on_nvme(tmp_path):
+    """Views of one storage (attention's q, k, v) come back as the same views; parameters on
+    NVMe are not saved twice."""
+    torch.manual_seed(0)
+    ref = TinyGPT(d=64, seq=64)
+    x = torch.randint(0, 97, (8, 64))
+    want = grads_of(ref, x, steps=3)
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        params="nvme", nvme_dir=str(tmp_path), device="cpu", activations="nvme",
+        activation_threshold="16KiB", cpu_budget=2 * 4 * 64 * 64 * 4 * 2),
+        _io_delay=functools.partial(time.sleep, 0.002))
+    assert_same(grads_of(model, x, steps=3), want)
+    st = tieroffload.stats(model)
+    assert st["activations"]["offloaded"] > 0 and st["activations"]["bytes_read"] > 0
+    tieroffload.close(model)
+
+
+def test_swap_space_is_reused_and_removed(tmp_path):
+    torch.manual_seed(0)
+    model = tieroffload.offload(Stack(), Policy(device="cpu", nvme_dir=str(tmp_path),
+                                                activations="nvme", activation_threshold=4096))
+    x = torch.randn(512, 128)
+    grads_of(model, x, steps=1)
+    model._tieroffload.activations.retire(block=True)
+    swap = model._tieroffload.swap
+    size = swap.capacity
+    assert size > 0 and swap._free == [(0, size)]  # all extents back once the graph is gone
+    grads_of(model, x, steps=3)
+    assert swap.capacity == size  # later iterations reuse the space
+    path = swap.path
+    tieroffload.close(model)
+    assert not (tmp_path / path.rsplit("/", 1)[-1]).exists()
+
+
+def test_peak_memory_drops_by_the_offloaded_bytes(tmp_path):
+    if not memory.reset_peak_rss():
+        pytest.skip("cannot reset the peak RSS here")
+    memory.return_freed_memory()
+    torch.manual_seed(0)
+    width, batch = 512, 4096  # each saved activation is 8 MiB
+    x = torch.randn(batch, width)
+
+    def peak_of(model: nn.Module) -> int:
+        grads_of(model, x, steps=1)  # warm up allocator and swap space
+        model.zero_grad(set_to_none=True)
+        before = memory.rss()
+        memory.reset_peak_rss()
+        model(x).square().mean().backward()
+        return memory.peak_rss() - before
+
+    ref = Stack(width, depth=8)
+    base = peak_of(ref)
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        device="cpu", nvme_dir=str(tmp_path), activations="nvme", prefetch="16MiB"))
+    peak = peak_of(model)
+    st = tieroffload.stats(model)["activations"]
+    offloaded = st["bytes_written"] // 2  # two iterations ran
+    tieroffload.close(model)
+    # Saved per block: the Linear's and the LayerNorm's inputs and the GELU's: 24 MiB.
+    assert offloaded >= 8 * 16 * 2**20
+    assert base - peak >= offloaded // 2, (base, peak, offloaded)
+
+
+def test_bad_activation_policy(tmp_path):
+    with pytest.raises(ValueError, match="activations"):
+        Policy(activations="disk")
+    with pytest.raises(ValueError, match="nvme_dir"):
+        Policy(activations="nvme")
+    with pytest.raises(ValueError, match="activation_threshold"):
+        Policy(activations="cpu", activation_threshold="lots")
+
+
+# -- AutoBatch -----------------------------------------------------------------------------------
+
+PER_SAMPLE = 32 << 20
+
+
+class Hungry(nn.Module):
+    """A small model whose backward needs PER_SAMPLE bytes per sample, saved in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        big = x[:, :1].repeat(1, PER_SAMPLE // 4)  # saved by the multiply below
+        return self.lin(x).squeeze(1) * big.mean(1)
+
+
+def train(batches, micro=None, fail_at=None, budget=None):
+    torch.manual_seed(0)
+    model = Hungry()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    auto = AutoBatch(len(batches[0][0]), budget, model=model, optimizer=opt,
+                     start=micro or 1, device="cpu")
+    failed = []
+
+    def fn(part):
+        if fail_at is not None and len(part[0]) >= fail_at and not failed:
+            failed.append(len(part[0]))
+            raise torch.OutOfMemoryError("injected")
+        x, y = part
+        return (model(x) - y).square().mean()
+
+    losses, micros = [], []
+    for x, y in batches:
+        if micro is not None:
+            auto.micro = micro  # a fixed micro-batch: the reference run
+        losses.append(auto.backward(fn, (x, y)).item())
+        micros.append(auto.micro)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, micros, auto
+
+
+def make_batches(n: int = 8, size: int = 16):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(size, 16, generator=g), torch.randn(size, generator=g))
+            for _ in range(n)]
+
+
+def test_autobatch_converges_to_the_largest_fitting_micro_batch():
+    if not memory.reset_peak_rss():
+        pytest.skip("cannot measure peak RSS here")
+    memory.return_freed_memory()
+    batches = make_batches()
+    budget = memory.rss() + int(5.5 * PER_SAMPLE)
+    losses, micros, auto = train(batches, budget=budget)
+    assert micros[-1] == 5 and micros[-2] == 5, micros
+    assert micros[0] > 1  # it grew
+    ref, _, _ = train(batches, micro=16)
+    assert losses == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    assert auto.stats()["changes"] and auto.stats()["accumulation"] == 4
+
+
+def test_autobatch_recovers_from_out_of_memory_without_losing_a_step():
+    batches = make_batches(6)
+    losses, micros, auto = train(batches, fail_at=4, budget="1TiB")
+    assert auto.ooms == 1 and auto.steps == len(batches)
+    assert micros[-3:] == [3, 3, 3]  # the largest under the size that failed
+    assert any("out of memory" in c["why"] for c in auto.changes)
+    ref, _, _ = train(batches, micro=16)
+    assert losses == pytest.approx(ref, rel=1e-5, abs=1e-6)
+
+
+def test_autobatch_reports_in_offload_stats(tmp_path):
+    model = tieroffload.offload(nn.Linear(16, 1), Policy(device="cpu"))
+    auto = AutoBatch(4, "1TiB", model=model, device="cpu")
+    auto.backward(lambda p: model(p).square().mean(), torch.randn(4, 16))
+    assert tieroffload.stats(model)["autobatch"]["steps"] == 1
+    with pytest.raises(ValueError, match="8 samples"):
+        auto.backward(lambda p: model(p).sum(), torch.randn(8, 16))

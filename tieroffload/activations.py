@@ -1,0 +1,329 @@
+"""Activations saved for backward, paged out during forward and prefetched back for backward
+(``Policy(activations="cpu" | "nvme")``).
+
+Autograd's saved-tensor hooks hand each saved tensor to ``pack``; a tensor smaller than the
+threshold, or one that is a parameter (or a view of one), stays where it is. The others are
+saved by *storage*: several views of one storage (q, k and v split from one projection) become
+one record, written once, and each comes back as the same view of a restored storage, with the
+same strides, so backward computes bit for bit what it would have. Writes run on a worker
+thread while forward goes on; a record keeps its source storage until its write is done (at
+most ``max_inflight`` bytes of them). When backward unpacks record i, the records just before it
+in forward order are already being read back, up to the prefetch window.
+
+Unlike ``torch.autograd.graph.save_on_cpu`` the copies overlap compute, and NVMe is a tier.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import aio
+from .swap import SwapSpace
+from .tiers import Mover, Stats, Ticket
+
+log = logging.getLogger("tieroffload")
+
+
+@dataclass
+class ActivationStats:
+    offloaded: int = 0       # saved tensors handed to a lower tier
+    kept: int = 0            # below the threshold, parameters, other devices: left in place
+    bytes_written: int = 0   # storage bytes sent to the tier
+    bytes_read: int = 0      # storage bytes read back for backward
+    hits: int = 0            # unpacked with the bytes already there (prefetched or unwritten)
+    misses: int = 0          # fetched on demand
+    wait_s: float = 0.0      # time forward and backward waited on activation I/O
+    peak_inflight: int = 0   # bytes held by writes not yet done
+
+
+class _Record:
+    """One saved storage: in memory until written, then in the tier until read back."""
+
+    __slots__ = ("seq", "nbytes", "padded", "source", "host", "offset", "write", "read",
+                 "restored", "pending", "refs", "dead", "__weakref__")
+
+    def __init__(self, seq: int, source: torch.UntypedStorage, padded: int) -> None:
+        self.seq = seq
+        self.nbytes = source.nbytes()
+        self.padded = padded
+        self.source: torch.UntypedStorage | None = source  # until its write is done
+        self.host: torch.Tensor | None = None     # the bytes in RAM (tier "cpu" on CUDA)
+        self.offset: int | None = None            # its extent in the swap space
+        self.write: Ticket | None = None
+        self.read: Ticket | None = None
+        self.restored: torch.UntypedStorage | None = None  # read back, not yet all unpacked
+        self.pending = 0  # handles not yet unpacked since the last read
+        self.refs = 0     # live handles
+        self.dead = False
+
+
+class _Handle:
+    """What autograd keeps instead of a saved tensor: its record and how to view it."""
+
+    __slots__ = ("pager", "record", "dtype", "size", "stride", "offset")
+
+    def __init__(self, pager: ActivationPager, record: _Record, t: torch.Tensor) -> None:
+        self.pager = pager
+        self.record = record
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        record.refs += 1
+        record.pending += 1
+
+    def __del__(self) -> None:
+        self.pager._drop(self.record)
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class ActivationPager:
+    """Saved-tensor hooks that page activations to ``tier`` ("cpu" or "nvme")."""
+
+    def __init__(self, tier: str, device: torch.device, threshold: int,
+                 window: tuple[int, int | None], swap: SwapSpace | None,
+                 param_storages: Callable[[], Iterable[torch.Tensor]],
+                 delay: Callable[[], None] | None = None, max_inflight: int = 256 << 20) -> None:
+        if tier not in ("cpu", "nvme"):
+            raise ValueError(f'activations must be "cpu", "nvme" or None, not {tier!r}')
+        self.tier = tier
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.threshold = threshold
+        self.window_units, self.window_bytes = window
+        self.swap = swap
+        self.params = param_storages
+        self.max_inflight = max_inflight
+        self.stats = ActivationStats()
+        self.active = not (tier == "cpu" and not self.cuda)
+        if not self.active:
+            log.info('activations="cpu" with compute on the CPU: they are in RAM already, so '
+                     "they stay where they are")
+        self._lock = threading.RLock()
+        self._seq = itertools.count()
+        self._order: list[weakref.ref[_Record]] = []  # forward order, for backward's prefetch
+        self._writing: list[_Record] = []
+        self._inflight = 0
+        self._param_ids: set[int] = set()
+        self._by_storage: dict[tuple[int, int], weakref.ref[_Record]] = {}
+        # An own worker, so that activation I/O never queues behind parameter moves.
+        self.mover = Mover(device, 0, 0, Stats(), delay)
+        self._ctx: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    # -- the hooks -----------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Starts a forward: saved tensors from here on go through ``pack``."""
+        with self._lock:
+            self._order = [r for r in self._order if r() is not None]
+            self._param_ids = {p.untyped_storage()._cdata for p in self.params()}
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._ctx.__enter__()
+
+    def end(self) -> None:
+        """Ends the forward (also when it raised): the hooks come off."""
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        self.retire()
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if not self._offloadable(t):
+            self.stats.kept += 1
+            return t
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t._version)
+        with self._lock:
+            ref = self._by_storage.get(key)
+            record = ref() if ref is not None else None
+            if record is None or record.source is None or record.dead:
+                record = self._page_out(storage)
+                self._by_storage[key] = weakref.ref(record)
+            handle = _Handle(self, record, t)
+            self.stats.offloaded += 1
+        self.retire()
+        self._throttle()
+        return handle
+
+    def unpack(self, h: Any) -> torch.Tensor:
+        if not isinstance(h, _Handle):
+            return h
+        r = h.record
+        with self._lock:
+            storage = r.source if r.source is not None else r.restored
+            if storage is None:
+                self.stats.misses += 1
+                self._read(r)
+            else:
+                self.stats.hits += 1
+            self._prefetch_before(r)
+        if storage is None:
+            self._wait(r.read)
+            with self._lock:
+                storage = r.restored
+        with self._lock:
+            r.pending -= 1
+            if r.pending <= 0:
+                r.restored = None  # autograd holds what it unpacked; the rest is ours no more
+                r.read = None
+        return torch.empty(0, dtype=h.dtype, device=storage.device).set_(
+            storage, h.offset, h.size, h.stride)
+
+    # -- moves ---------------------------------------------------------------------------------
+
+    def _offloadable(self, t: torch.Tensor) -> bool:
+        if not self.active or type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return False
+        if t.layout is not torch.strided or t.is_quantized or t.device.type != self.device.type:
+            return False
+        storage = t.untyped_storage()
+        return storage.nbytes() >= self.threshold and storage._cdata not in self._param_ids
+
+    def _padded(self, n: int) -> int:
+        align = self.swap.align if self.swap is not None else 4096
+        return -(-max(n, 1) // align) * align
+
+    def _page_out(self, storage: torch.UntypedStorage) -> _Record:
+        r = _Record(next(self._seq), storage, self._padded(storage.nbytes()))
+        self._order.append(weakref.ref(r))
+        self._writing.append(r)
+        self._inflight += r.nbytes
+        self.stats.peak_inflight = max(self.stats.peak_inflight, self._inflight)
+        self.stats.bytes_written += r.nbytes
+        if self.tier == "nvme":
+            r.offset = self.swap.alloc(r.padded)
+        if self.cuda or self.tier == "nvme":
+            # Pinned on CUDA; on the CPU O_DIRECT needs an aligned copy of the bytes.
+            r.host = aio.aligned_empty(r.padded, pin=self.cuda)
+        src, host, offset = _bytes_of(storage), r.host, r.offset
+        file = self.swap.file if self.tier == "nvme" else None
+
+        def job() -> None:  # on the worker: its CUDA stream waits for the compute stream
+            host[:r.nbytes].copy_(src, non_blocking=self.cuda)
+            if self.cuda:
+                torch.cuda.current_stream().synchronize()
+            if file is not None:
+                file.pwrite(host, offset, r.padded).result()
+
+        r.write = self.mover.submit(job)
+        return r
+
+    def _read(self, r: _Record) -> None:
+        """Starts bringing ``r`` back (called under the lock, with its source gone)."""
+        if r.read is not None:
+            return
+        if r.pending <= 0:  # a second backward over a retained graph
+            r.pending = r.refs
+        # On CUDA the destination is allocated here, on the stream that will use it.
+        dst = torch.empty(r.padded, dtype=torch.uint8, device=self.device) if self.cuda else None
+        host, offset = r.host, r.offset
+        file = self.swap.file if self.tier == "nvme" else None
+
+        def job() -> None:
+            buf = host
+            if file is not None:
+                buf = aio.aligned_empty(r.padded, pin=self.cuda)
+                file.pread(buf, offset, r.padded).result()
+            if dst is None:
+                r.restored = buf.untyped_storage()
+                return
+            dst.copy_(buf, non_blocking=True)
+            torch.cuda.current_stream().synchronize()  # buf may go once the copy has read it
+            r.restored = dst.untyped_storage()
+
+        self.stats.bytes_read += r.nbytes
+        r.read = self.mover.submit(job)
+
+    def _prefetch_before(self, r: _Record) -> None:
+        """Starts reading the records saved just before ``r``: backward needs them next."""
+        try:
+            i = next(k for k in range(len(self._order) - 1, -1, -1)
+                     if self._order[k]() is r)
+        except StopIteration:
+            return
+        units, nbytes = 0, 0
+        for ref in reversed(self._order[:i]):
+            q = ref()
+            if q is None or q.dead or q.pending <= 0:  # gone, or all its handles unpacked
+                continue
+            if units >= self.window_units or (self.window_bytes is not None
+                                              and nbytes + q.nbytes > self.window_bytes):
+                break
+            units += 1
+            nbytes += q.nbytes
+            if q.source is None and q.restored is None and q.read is None:
+                self._read(q)
+
+    def _wait(self, ticket: Ticket | None) -> None:
+        if ticket is None:
+            return
+        t0 = time.perf_counter()
+        ticket.wait()
+        self.stats.wait_s += time.perf_counter() - t0
+
+    def retire(self, block: bool = False) -> None:
+        """Lets go of the sources (and host copies, for NVMe) of records whose writes are done.
+        Runs on the thread that packs, so a storage's address is reused only once its record
+        is out of the dedupe map."""
+        while True:
+            with self._lock:
+                if not self._writing:
+                    return
+                r = self._writing[0]
+                if not r.write.done():
+                    if not block:
+                        return
+                    ticket = r.write
+                else:
+                    ticket = None
+            if ticket is not None:
+                self._wait(ticket)
+                continue
+            r.write.wait()  # re-raises what the worker met
+            with self._lock:
+                self._writing.pop(0)
+                self._inflight -= r.nbytes
+                r.source = None
+                if self.tier == "nvme":
+                    r.host = None
+                if r.dead:
+                    self._free(r)
+
+    def _throttle(self) -> None:
+        """Forward waits for the oldest writes while more than ``max_inflight`` bytes are held."""
+        while self._inflight > self.max_inflight and self._writing:
+            self._wait(self._writing[0].write)
+            self.retire()
+
+    def _drop(self, r: _Record) -> None:
+        with self._lock:
+            r.refs -= 1
+            if r.refs > 0:
+                return
+            r.dead = True
+            r.restored = None
+            if r.source is None:  # with a write in flight, retire frees it
+                self._free(r)
+        self.retire()
+
+    def _free(self, r: _Record) -> None:
+        if r.offset is not None and self.swap is not None:
+            self.swap.free(r.offset, r.padded)
+            r.offset = None
+        r.host = None
+
+    def close(self) -> None:
+        self.retire(block=True)
+        self.mover.close()
