@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import concurrent.futures
 import errno
 import importlib.util
 import json
@@ -201,7 +202,14 @@ def _measure_aiofiles(scratch: _Scratch, buf: torch.Tensor, cap_s: float,
                 moved += await (f.write(chunk) if write else f.readinto(chunk))
             return moved, time.perf_counter() - start
 
-    return asyncio.run(loop())
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(loop())
+    # Called from code that runs an event loop already (a notebook): a loop of its own, in a
+    # thread of its own.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, loop()).result()
 
 
 def _deepspeed_aio() -> tuple[Any, str]:
@@ -473,28 +481,30 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _import_pyplot() -> Any:
+def _figure(**kw: Any) -> Any:
+    """A matplotlib Figure drawn by the Agg canvas, leaving pyplot's backend (a notebook's
+    inline one, say) as it was."""
     try:
-        import matplotlib
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         raise BenchError("--plot needs matplotlib, which is not installed "
                          "(pip install matplotlib)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    fig = Figure(**kw)
+    FigureCanvasAgg(fig)
+    return fig
 
-    return plt
 
-
-def plot(result: dict[str, Any], path: str | os.PathLike) -> None:
+def plot(result: dict[str, Any], path: str | os.PathLike) -> Any:
     """Writes a PNG: GB/s against queue depth, one panel per direction and block size, one line
-    per engine (the serial loops are single points at queue depth 1)."""
-    plt = _import_pyplot()
+    per engine (the serial loops are single points at queue depth 1). Returns the Figure (a
+    notebook shows it)."""
     summary = result["summary"]
     block_sizes = sorted({r["block_size"] for r in summary})
     depths = sorted({r["queue_depth"] for r in summary})
     engines = result["engines"]
-    fig, axes = plt.subplots(2, len(block_sizes), figsize=(4.5 * len(block_sizes), 7.5),
-                             squeeze=False)
+    fig = _figure(figsize=(4.5 * len(block_sizes), 7.5))
+    axes = fig.subplots(2, len(block_sizes), squeeze=False)
     for i, direction in enumerate(("read", "write")):
         top = 1.1 * max(r["gbps"] for r in summary if r["direction"] == direction)
         for j, bs in enumerate(block_sizes):
@@ -517,7 +527,7 @@ def plot(result: dict[str, Any], path: str | os.PathLike) -> None:
     fig.suptitle(f"tieroffload-bench nvme: {format_size(result['size'])} in {result['dir']}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def _check_output(flag: str, path: str | None) -> None:
@@ -559,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         _check_output("--json", args.json)
         _check_output("--plot", args.plot)
         if args.plot:
-            _import_pyplot()
+            _figure()  # matplotlib missing fails now, not after minutes of measuring
         result = run_nvme(args.dir, args.size, quick=args.quick, repeats=args.repeats)
         print(format_table(result))
         if args.json:

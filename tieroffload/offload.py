@@ -130,7 +130,7 @@ class OffloadState:
             self.swap = SwapSpace(policy.nvme_dir, need, stable_tag(names), self.engine)
         prefetch_units, prefetch_bytes = policy.prefetch_window()
         self.scheduler = Scheduler(self.units, self.mover, self.budget, prefetch_units,
-                                   prefetch_bytes, self.stats)
+                                   prefetch_bytes, self.stats, policy.adapt)
         self.grads = (GradPager(self.units, self.swap, self.mover, self.stats)
                       if policy.grads == "nvme" else None)
         self._move_home()

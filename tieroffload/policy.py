@@ -87,7 +87,8 @@ class Policy:
     compute device's). ``grads``: where gradients go after each unit's backward: the compute
     device (default), or "nvme" (with params="nvme"; consumed by the paged optimizer's step).
     ``activations``: where tensors saved for backward are paged during forward ("cpu", "nvme",
-    or None to leave them); those under ``activation_threshold`` bytes stay put.
+    or None to leave them); those under ``activation_threshold`` bytes stay put. ``adapt``:
+    the prefetch depth follows measured stalls and memory pressure (see ``stats()``).
     """
 
     params: str = "cpu"
@@ -101,6 +102,7 @@ class Policy:
     grads: str | None = None
     activations: str | None = None
     activation_threshold: int | str = "1MiB"
+    adapt: bool = True
 
     def __post_init__(self) -> None:
         if self.params not in TIERS:
@@ -176,6 +178,36 @@ class Policy:
             with open(config) as f:
                 config = json.load(f)
         return cls.from_dict(policy_from_deepspeed(config))
+
+    @classmethod
+    def auto(cls, model: Any, *, sample: Any, gpu_budget: int | str | None = None,
+             cpu_budget: int | str | None = None, nvme_dir: str | None = None,
+             bench: Any = None, device: str | None = None,
+             activation_threshold: int | str = "1MiB", machine: Any = None,
+             profile: Any = None) -> Policy:
+        """The placement (parameters, gradients, optimizer state, activations), prefetch depth,
+        resident budget and I/O settings with the least predicted step time that fits the
+        budgets. ``sample(model)`` runs a forward on a sample batch and returns the loss: it is
+        timed (with its backward) to feed the cost model. ``bench``: a ``tieroffload-bench
+        nvme --json`` result (its file or dict) for the disk's figures, else they are measured
+        in ``nvme_dir``. Budgets cover everything the step holds. ``explain()`` says why; a
+        MemoryError with the numbers when nothing fits. ``machine`` (``planner.Machine``) and
+        ``profile`` (``planner.Profile``) reuse figures measured before (``bench`` is then
+        unused). See ``tieroffload.planner``."""
+        from .planner import auto
+
+        return auto(model, sample=sample, gpu_budget=gpu_budget, cpu_budget=cpu_budget,
+                    nvme_dir=nvme_dir, bench=bench, device=device,
+                    activation_threshold=activation_threshold, machine=machine,
+                    profile=profile)
+
+    def explain(self) -> str:
+        """What goes where and why, with the predicted step time, peak memory per tier and the
+        bottleneck (for a policy made by ``Policy.auto``)."""
+        plan = getattr(self, "plan", None)
+        if plan is None:
+            return f"{self!r} was set by hand; Policy.auto explains the policies it makes"
+        return plan.explain()
 
     def prefetch_window(self) -> tuple[int, int | None]:
         """(units, bytes or None) ahead to prefetch."""

@@ -6,6 +6,10 @@ prefetch window, and when room is needed the resident unit whose next use is far
 (Belady's rule, which the trace makes possible). When execution leaves the trace (a branch, a
 different input) the scheduler fetches on demand and records the new order for the next
 iteration, so a wrong trace costs time, never correctness.
+
+The prefetch depth adapts between iterations: when units arrived late (the window is too
+shallow) and the budget has room, it deepens; when prefetched units were evicted before their
+use (the budget cannot hold the window) it backs off. Each change is kept in ``stats``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ log = logging.getLogger("tieroffload")
 
 class Scheduler:
     def __init__(self, units: list[Unit], mover: Mover, budget: int, prefetch_units: int,
-                 prefetch_bytes: int | None, stats: Stats) -> None:
+                 prefetch_bytes: int | None, stats: Stats, adapt: bool = True) -> None:
         self.units = units
         self.mover = mover
         self.budget = budget
@@ -34,6 +38,12 @@ class Scheduler:
         self.cursor = 0
         self.on_track = False
         self.clock = 0
+        self.adapt = adapt
+        self.iteration = 0
+        self._seen = (0, 0, 0)  # (late, wasted, iterations) at the last adaptation
+        self._prefetched: set[int] = set()  # fetched ahead, not used yet
+        stats.prefetch = self.prefetch_bytes if self.prefetch_bytes is not None \
+            else self.prefetch_units
 
     # -- the trace -----------------------------------------------------------------------------
 
@@ -44,9 +54,48 @@ class Scheduler:
             self._positions = {}
             for i, uid in enumerate(self.trace):
                 self._positions.setdefault(uid, []).append(i)
+        if self.adapt and self.on_track and self.trace:
+            self._adapt()
         self.recording = []
         self.cursor = 0
         self.on_track = self.trace is not None
+        self.iteration += 1
+
+    def _adapt(self) -> None:
+        """Deepens the prefetch after an iteration with late units if the budget has room for
+        one more unit; makes it shallower when prefetched units were evicted unused."""
+        late, wasted = self.stats.late - self._seen[0], self.stats.wasted - self._seen[1]
+        self._seen = (self.stats.late, self.stats.wasted, self.iteration)
+        avg = max(1, sum(u.nbytes for u in self.units) // max(len(self.units), 1))
+        in_use = 2 * max(u.nbytes for u in self.units)  # what the module computing holds
+        units, nbytes = self.prefetch_units, self.prefetch_bytes
+        if wasted > 0:
+            if nbytes is not None:
+                nbytes = max(avg, nbytes * 2 // 3)
+            else:
+                units = max(1, units - 1)
+            why = f"{wasted} prefetched units were evicted before use"
+        elif late > 0:
+            if nbytes is not None:
+                nbytes = nbytes * 3 // 2
+                room = nbytes + in_use <= self.budget
+            else:
+                units = min(units + 1, len(set(self.trace)))
+                room = units * avg + in_use <= self.budget
+            if not room:
+                return
+            why = f"{late} units arrived late"
+        else:
+            return
+        if (units, nbytes) == (self.prefetch_units, self.prefetch_bytes):
+            return
+        old = self.stats.prefetch
+        self.prefetch_units, self.prefetch_bytes = units, nbytes
+        self.stats.prefetch = nbytes if nbytes is not None else units
+        self.stats.adaptations.append({"iteration": self.iteration, "from": old,
+                                       "to": self.stats.prefetch, "why": why})
+        log.info("tieroffload: prefetch %s -> %s at iteration %d: %s", old,
+                 self.stats.prefetch, self.iteration, why)
 
     def _advance(self, uid: int) -> None:
         self.recording.append(uid)
@@ -89,6 +138,7 @@ class Scheduler:
     def _ensure(self, u: Unit, force: bool) -> None:
         self.clock += 1
         u.last_use = self.clock
+        self._prefetched.discard(u.id)
         if u.state is State.RESIDENT:
             self.stats.hits += 1
             return
@@ -161,6 +211,9 @@ class Scheduler:
             self._finish(u)
         if u.dirty:
             self.flush(u)
+        if u.id in self._prefetched:
+            self._prefetched.discard(u.id)
+            self.stats.wasted += 1
         u.free()
         u.state = State.AWAY
         self._account(-u.nbytes)
@@ -195,12 +248,15 @@ class Scheduler:
             if not self._make_room(u.nbytes, force=False, target=u, prefetching=True):
                 return
             self._start_fetch(u)
+            self._prefetched.add(u.id)
 
     def prefetch(self, units: list[Unit]) -> None:
         """Starts fetching ``units`` where the budget has room without evicting a unit in use
         (the paged optimizer's next chunk)."""
         for u in units:
-            if u.state is State.AWAY and self._make_room(u.nbytes, force=False, target=u,
+            # Off the trace (a step), any unpinned unit may make room: the trace's order
+            # would keep the units that the next forward needs first, and refuse.
+            if u.state is State.AWAY and self._make_room(u.nbytes, force=False, target=None,
                                                          prefetching=True):
                 self._start_fetch(u)
 

@@ -52,6 +52,9 @@ class Stats:
     misses: int = 0        # not prefetched: fetched on demand
     evictions: int = 0
     reorders: int = 0      # execution left the recorded order: re-recorded
+    wasted: int = 0        # prefetched, then evicted before use
+    prefetch: int = 0      # the prefetch depth now (units, or bytes for a size)
+    adaptations: list = field(default_factory=list)  # changes of the depth, and why
     peak_resident: int = 0
     resident: int = 0
 
@@ -59,6 +62,7 @@ class Stats:
         d = dict(self.__dict__)
         d["bytes_read"] = dict(self.bytes_read)
         d["bytes_written"] = dict(self.bytes_written)
+        d["adaptations"] = list(self.adaptations)
         return d
 
 

@@ -1,0 +1,162 @@
+"""Policy.auto and its cost model, and the prefetch depth that adapts at run time."""
+
+import copy
+import functools
+import statistics
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import mlp
+
+import tieroffload
+from tieroffload import Policy, memory
+from tieroffload.models import GPT, token_batch
+from tieroffload.planner import Machine, Profile, measure, predict
+
+# Three shapes: deep and narrow, wide and shallow, long sequence (activation heavy).
+SHAPES = {
+    "deep": dict(vocab=2048, d=512, layers=4, heads=8, seq=128, batch=4),
+    "wide": dict(vocab=4096, d=768, layers=2, heads=8, seq=64, batch=4),
+    "long": dict(vocab=512, d=256, layers=3, heads=4, seq=1024, batch=2),
+}
+OVERHEAD = 48 << 20  # what a measured peak may exceed the budget by: allocator and interpreter
+
+
+def shape(name: str):
+    s = SHAPES[name]
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(s["vocab"], s["d"], s["layers"], s["heads"], s["seq"])
+
+    x, y = token_batch(0, s["batch"], s["seq"], s["vocab"])
+
+    def sample(model):
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    return build, sample
+
+
+@pytest.fixture(scope="module")
+def machine(tmp_path_factory):
+    if not memory.reset_peak_rss():
+        pytest.skip("cannot measure peak RSS here")
+    return Machine.measure(tmp_path_factory.mktemp("disk"), size=128 << 20)
+
+
+@pytest.fixture(scope="module")
+def profiles():
+    out = {}
+    for name in SHAPES:
+        build, sample = shape(name)
+        out[name] = Profile.measure(build(), sample)
+    return out
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_auto_stays_within_its_budgets(name, machine, profiles, tmp_path):
+    build, sample = shape(name)
+    prof = profiles[name]
+    resident = predict(Policy(device="cpu"), prof, machine).peak["cpu"]
+    least = predict(Policy(device="cpu", params="nvme", optimizer="nvme", grads="nvme",
+                           activations="nvme", nvme_dir=str(tmp_path), prefetch=1,
+                           cpu_budget=2 * prof.largest_unit), prof, machine).peak["cpu"]
+    assert least < resident
+    # Room for everything; half way; barely more than the least any placement needs.
+    for fraction, budget in ((1.0, int(1.5 * resident)), (0.5, (resident + least) // 2),
+                             (0.0, int(1.1 * least))):
+        pol = Policy.auto(build(), sample=sample, cpu_budget=budget, nvme_dir=str(tmp_path),
+                          machine=machine, profile=prof, device="cpu")
+        assert pol.plan.prediction.peak["cpu"] <= budget
+        got = measure(build, sample, pol, steps=2)
+        assert got.peak <= budget + OVERHEAD, (name, fraction, pol.explain(), got)
+        if fraction < 1:  # something had to move to NVMe
+            assert "nvme" in (pol.params, pol.optimizer, pol.grads, pol.activations)
+
+
+def test_auto_is_faster_than_all_on_nvme_where_the_budget_allows(machine, profiles, tmp_path):
+    build, sample = shape("deep")
+    prof = profiles["deep"]
+    pol = Policy.auto(build(), sample=sample, cpu_budget="4GiB", nvme_dir=str(tmp_path),
+                      machine=machine, profile=prof, device="cpu")
+    naive = Policy(device="cpu", params="nvme", optimizer="nvme", grads="nvme",
+                   activations="nvme", nvme_dir=str(tmp_path), cpu_budget=4 * prof.largest_unit)
+    assert pol.plan.prediction.step_s < predict(naive, prof, machine).step_s
+    ours, theirs = [], []
+    for _ in range(2):  # interleaved: the disk here is noisy
+        ours.append(measure(build, sample, pol, steps=2).step_s)
+        theirs.append(measure(build, sample, naive, steps=2).step_s)
+    assert statistics.median(ours) < statistics.median(theirs)
+    text = pol.explain()
+    assert "predicted step" in text and "bottleneck" in text and "all on NVMe" in text
+
+
+def test_predicted_step_time_is_close_to_the_measured_one(machine, tmp_path):
+    build, sample = shape("deep")
+    prof = Profile.measure(build(), sample)  # right before the runs it predicts
+    d = str(tmp_path)
+    policies = [
+        Policy(device="cpu"),
+        Policy(device="cpu", optimizer="nvme", nvme_dir=d),
+        Policy(device="cpu", params="nvme", optimizer="nvme", grads="nvme", nvme_dir=d,
+               cpu_budget=4 * prof.largest_unit),
+        Policy(device="cpu", activations="nvme", nvme_dir=d),
+    ]
+    ratios = [measure(build, sample, p, steps=2).step_s / predict(p, prof, machine).step_s
+              for p in policies]
+    # The issue's goal is 25%; a noisy shared disk gets some slack for single points.
+    assert 0.75 <= statistics.median(ratios) <= 1.25, ratios
+    assert all(0.6 <= r <= 1.6 for r in ratios), ratios
+
+
+def test_predicted_bytes_match_the_moved_ones(machine, profiles, tmp_path):
+    build, sample = shape("deep")
+    prof = profiles["deep"]
+    p = Policy(device="cpu", params="nvme", optimizer="nvme", grads="nvme",
+               activations="nvme", nvme_dir=str(tmp_path), cpu_budget=4 * prof.largest_unit,
+               activation_threshold="1MiB")
+    pred, got = predict(p, prof, machine), measure(build, sample, p, steps=1)
+    assert got.bytes_read == pytest.approx(pred.bytes_read, rel=0.15)
+    assert got.bytes_written == pytest.approx(pred.bytes_written, rel=0.15)
+
+
+def test_auto_refuses_with_the_numbers(machine, profiles, tmp_path):
+    build, sample = shape("deep")
+    with pytest.raises(MemoryError, match=r"no placement fits: the smallest needs cpu \d+ bytes"):
+        Policy.auto(build(), sample=sample, cpu_budget="1MiB", nvme_dir=str(tmp_path),
+                    machine=machine, profile=profiles["deep"], device="cpu")
+    with pytest.raises(MemoryError, match="no nvme_dir"):
+        Policy.auto(build(), sample=sample, cpu_budget="8MiB", machine=machine,
+                    profile=profiles["deep"], device="cpu")
+    assert "set by hand" in Policy().explain()
+
+
+def test_prefetch_deepens_when_units_arrive_late(tmp_path):
+    torch.manual_seed(0)
+    ref = mlp(width=256, depth=12)
+    unit = 257 * 256 * 4
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        params="nvme", nvme_dir=str(tmp_path), device="cpu", cpu_budget=10 * unit, prefetch=1),
+        _io_delay=functools.partial(time.sleep, 0.004))
+    x = torch.randn(1, 256)
+    for _ in range(6):
+        assert torch.equal(model(x), ref(x))
+    st = tieroffload.stats(model)
+    assert st["prefetch"] > 1 and st["adaptations"], st
+    assert all("late" in a["why"] for a in st["adaptations"])
+    assert st["peak_resident"] <= 10 * unit
+    tieroffload.close(model)
+
+
+def test_fixed_prefetch_does_not_adapt(tmp_path):
+    torch.manual_seed(0)
+    model = tieroffload.offload(mlp(width=256, depth=12), Policy(
+        params="nvme", nvme_dir=str(tmp_path), device="cpu", cpu_budget=10 * 257 * 256 * 4,
+        prefetch=1, adapt=False), _io_delay=functools.partial(time.sleep, 0.004))
+    for _ in range(4):
+        model(torch.randn(1, 256))
+    st = tieroffload.stats(model)
+    assert st["prefetch"] == 1 and not st["adaptations"]
+    tieroffload.close(model)
