@@ -189,8 +189,10 @@ def test_meta_model_streamed_from_safetensors(tmp_path):
 
 
 def test_swap_file_named_stably_and_removed(tmp_path):
-    def swap_files():
-        return sorted(f for f in os.listdir(tmp_path) if f.endswith(".swap"))
+    def swap_files():  # each rank keeps its files in a folder of its own
+        where = tmp_path / "rank0"
+        return sorted(f for f in os.listdir(where) if f.endswith(".swap")) \
+            if where.exists() else []
 
     torch.manual_seed(0)
     a = tieroffload.offload(mlp(), Policy(params="nvme", nvme_dir=str(tmp_path), device="cpu"))
@@ -207,13 +209,14 @@ def test_swap_file_named_stably_and_removed(tmp_path):
         from torch import nn
         m = tieroffload.offload(nn.Sequential(nn.Linear(64, 64)), tieroffload.Policy(
             params="nvme", nvme_dir={str(tmp_path)!r}, device="cpu"))
-        print(sorted(os.listdir({str(tmp_path)!r})))
+        print(sorted(os.listdir({str(tmp_path / "rank0")!r})))
     """)
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            timeout=120) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr
     assert runs[0].stdout == runs[1].stdout  # the same name in every run
     assert swap_files() == []  # removed at exit
+    assert not (tmp_path / "rank0").exists()  # with the folder it made
 
 
 def test_bad_policies_get_clear_errors(tmp_path):
@@ -320,4 +323,4 @@ def test_close_restores_a_plain_model(tmp_path):
     x = torch.randn(3, 64)
     assert torch.equal(ref(x), model(x))
     assert model._tieroffload is None
-    assert not [f for f in os.listdir(tmp_path) if f.endswith(".swap")]
+    assert os.listdir(tmp_path) == []  # no swap file, no rank folder

@@ -441,6 +441,120 @@ class File:
                 f"backend={self.engine.backend!r})")
 
 
+class Gather:
+    """Several futures as one: ``result()`` is their total byte count, or the first error."""
+
+    __slots__ = ("_futures",)
+
+    def __init__(self, futures: list[Future]) -> None:
+        self._futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def result(self, timeout: float | None = None) -> int:
+        return sum(f.result(timeout) for f in self._futures)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        for f in self._futures:
+            e = f.exception(timeout)
+            if e is not None:
+                return e
+        return None
+
+    def __await__(self):
+        async def total() -> int:
+            return sum(await asyncio.gather(*self._futures))
+        return total().__await__()
+
+
+class StripedFile:
+    """Files on several drives seen as one (RAID 0): logical stripe k of ``stripe`` bytes is in
+    file ``k % n`` at offset ``(k // n) * stripe``. A request that spans stripes becomes one
+    request per stripe, all in flight at once, so the drives' bandwidths add up."""
+
+    def __init__(self, files: list[File], stripe: int) -> None:
+        if not files:
+            raise ValueError("StripedFile needs at least one file")
+        self.files = files
+        self.align = max(f.align for f in files)
+        self.mem_align = max(f.mem_align for f in files)
+        if stripe <= 0 or stripe % max(self.align, 1):
+            raise ValueError(f"stripe {stripe} must be a positive multiple of {self.align}")
+        self.stripe = stripe
+        self.path = files[0].path
+        self.paths = [f.path for f in files]
+        self.direct = all(f.direct for f in files)
+
+    @property
+    def closed(self) -> bool:
+        return all(f.closed for f in self.files)
+
+    def _pieces(self, offset: int, nbytes: int) -> list[tuple[File, int, int, int]]:
+        """(file, file offset, buffer offset, length) of each stripe the request touches."""
+        n, s = len(self.files), self.stripe
+        out = []
+        pos = offset
+        while pos < offset + nbytes:
+            k, within = divmod(pos, s)
+            length = min(s - within, offset + nbytes - pos)
+            out.append((self.files[k % n], (k // n) * s + within, pos - offset, length))
+            pos += length
+        return out
+
+    def _submit(self, buf: Any, offset: int, nbytes: int | None, write: bool) -> Gather:
+        view = _bytes_view(buf)
+        if nbytes is None:
+            nbytes = len(view)
+        if nbytes > len(view):
+            raise ValueError(f"buffer of {len(view)} bytes is too small for a request of "
+                             f"{nbytes} bytes")
+        futures = []
+        for f, at, a, length in self._pieces(offset, nbytes):
+            piece = view[a:a + length]
+            futures.append(f.pwrite(piece, at) if write else f.pread(piece, at))
+        return Gather(futures)
+
+    def pread(self, buf: Any, offset: int = 0, nbytes: int | None = None) -> Gather:
+        return self._submit(buf, offset, nbytes, write=False)
+
+    def pwrite(self, buf: Any, offset: int = 0, nbytes: int | None = None) -> Gather:
+        return self._submit(buf, offset, nbytes, write=True)
+
+    def file_size(self, nbytes: int, i: int) -> int:
+        """Bytes of file ``i`` that a logical size of ``nbytes`` needs."""
+        n, s = len(self.files), self.stripe
+        stripes = -(-nbytes // s)
+        return (stripes // n + (1 if i < stripes % n else 0)) * s
+
+    def allocate(self, nbytes: int) -> None:
+        for i, f in enumerate(self.files):
+            size = self.file_size(nbytes, i)
+            if size:
+                f.allocate(size)
+
+    def sync(self) -> None:
+        for f in self.files:
+            f.sync()
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+    def __repr__(self) -> str:
+        return f"StripedFile({self.paths!r}, stripe={self.stripe})"
+
+
+def _bytes_view(buf: Any) -> Any:
+    """A sliceable byte view of ``buf`` that ``File`` accepts."""
+    if isinstance(buf, torch.Tensor):
+        if not buf.is_contiguous():
+            raise ValueError("buffer tensor must be contiguous")
+        return buf.reshape(-1).view(torch.uint8)
+    mv = memoryview(buf)
+    return mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
+
+
 def open(path: str | os.PathLike, mode: str = "r", engine: Engine | None = None,
          direct: bool = True) -> File:
     """Opens ``path`` for async I/O: mode "r", "r+" or "w+"; O_DIRECT unless ``direct=False``

@@ -58,33 +58,75 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _distributed() -> Any:
+    """torch.distributed when several ranks run, else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
 def save_checkpoint(path: str | os.PathLike, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, extra: Any = None) -> None:
     """Saves parameters, buffers, optimizer state and ``extra`` (e.g. the scheduler's
-    ``state_dict()`` and the step) into the directory ``path``."""
+    ``state_dict()`` and the step) into the directory ``path``. Under torch.distributed every
+    rank calls it: each writes its own ``rank<r>/`` part, and rank 0 writes the one manifest
+    and renames the whole into place once every rank has finished (or removes it if one
+    failed)."""
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"checkpoint directory's parent does not exist: {parent}")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        meta = _write(tmp, model, optimizer, extra)
-        with open(os.path.join(tmp, "manifest.json"), "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        old = f"{path}.old-{os.getpid()}"
-        if os.path.exists(path):
-            os.rename(path, old)
-        os.rename(tmp, path)
-        _fsync_dir(parent)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    dist = _distributed()
+    rank = dist.get_rank() if dist else 0
+    token = [f"{path}.tmp-{os.getpid()}"]
+    if dist:
+        dist.broadcast_object_list(token, src=0)  # one temporary name for every rank
+    tmp = token[0]
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    if dist:
+        dist.barrier()
+    part = os.path.join(tmp, f"rank{rank}") if dist else tmp
+    try:
+        os.makedirs(part, exist_ok=True)
+        meta: Any = _write(part, model, optimizer, extra)
+        _fsync_dir(part)
+    except BaseException as e:
+        meta = e
+    metas = [meta]
+    if dist:
+        metas = [None] * dist.get_world_size()
+        dist.all_gather_object(metas, meta if not isinstance(meta, BaseException)
+                               else f"rank {rank}: {meta!r}")
+    failed = [m for m in metas if not isinstance(m, dict)]
+    try:
+        if failed:
+            raise meta if isinstance(meta, BaseException) else CheckpointError(
+                f"checkpoint {path} not saved: {failed[0]}")
+        if rank == 0:
+            manifest = metas[0] if not dist else {
+                "format": FORMAT, "version": VERSION, "world_size": len(metas), "ranks": metas}
+            with open(os.path.join(tmp, "manifest.json"), "w") as f:
+                json.dump(manifest, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            old = f"{path}.old-{os.getpid()}"
+            if os.path.exists(path):
+                os.rename(path, old)
+            os.rename(tmp, path)
+            _fsync_dir(parent)
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if dist:
+            dist.barrier()  # nobody goes on before the checkpoint is in place
 
 
 def _write(tmp: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -150,12 +192,17 @@ def _read_manifest(path: str) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint manifest {mpath} is missing or unreadable: {e}") from e
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise CheckpointError(f"{mpath} is not a {FORMAT} version {VERSION}")
+    if "ranks" not in meta:
+        _check_size(path, meta)
+    return meta
+
+
+def _check_size(path: str, meta: dict[str, Any]) -> None:
     data = os.path.join(path, "tensors.bin")
     size = os.path.getsize(data) if os.path.exists(data) else -1
     if size != meta["size"]:
         raise CheckpointError(f"checkpoint data {data} is truncated: {size} bytes, the "
                               f"manifest says {meta['size']}")
-    return meta
 
 
 def _verify(path: str, meta: dict[str, Any]) -> None:
@@ -182,6 +229,16 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     that does not fit the model, before changing anything."""
     path = os.path.abspath(os.fspath(path))
     meta = _read_manifest(path)
+    if "ranks" in meta:  # saved by several ranks: this rank reads its own part
+        dist = _distributed()
+        world = dist.get_world_size() if dist else 1
+        if world != meta["world_size"]:
+            raise CheckpointError(f"checkpoint {path} was saved by {meta['world_size']} ranks; "
+                                  f"this run has {world}")
+        rank = dist.get_rank()
+        path = os.path.join(path, f"rank{rank}")
+        meta = meta["ranks"][rank]
+        _check_size(path, meta)
     _verify(path, meta)
     entries = {e["key"]: e for e in meta["tensors"]}
     try:

@@ -60,7 +60,12 @@ class Machine:
     def measure(cls, nvme_dir: str | os.PathLike | None = None,
                 bench: dict | str | os.PathLike | None = None, size: int = 256 << 20) -> Machine:
         """Reads disk figures from a bench result (its dict or JSON file) or measures them in
-        ``nvme_dir`` (``size`` bytes, O_DIRECT, cold reads where allowed); measures the rest."""
+        ``nvme_dir`` (``size`` bytes, O_DIRECT, cold reads where allowed); measures the rest.
+        Several directories (striped) add their bandwidths; the ranks of one node
+        (``LOCAL_WORLD_SIZE``) share them, so each rank counts its share."""
+        dirs = [] if nvme_dir is None else [os.fspath(d) for d in nvme_dir] \
+            if isinstance(nvme_dir, (list, tuple)) else [os.fspath(nvme_dir)]
+        nvme_dir = dirs[0] if dirs else None
         cost = 0.0
         if bench is not None:
             if not isinstance(bench, dict):
@@ -70,13 +75,16 @@ class Machine:
             read, write = fig["read_gbps"], fig["write_gbps"]
             io = IOConfig.from_dict(bench["recommended"])
             if nvme_dir is not None:
-                cost = io_cost(os.fspath(nvme_dir), io)
+                cost = io_cost(nvme_dir, io)
         elif nvme_dir is not None:
             io = IOConfig()
-            read, write = disk_gbps(os.fspath(nvme_dir), size, io)
-            cost = io_cost(os.fspath(nvme_dir), io)
+            figures = [disk_gbps(d, size, io) for d in dirs]
+            read, write = sum(f[0] for f in figures), sum(f[1] for f in figures)
+            cost = io_cost(nvme_dir, io)
         else:  # no NVMe tier: its figures are never used
             io, read, write = IOConfig(), math.nan, math.nan
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        read, write = read / ranks, write / ranks
         gpu = h2d = None
         if torch.cuda.is_available():
             gpu = torch.cuda.get_device_properties(0).total_memory
@@ -209,7 +217,7 @@ class Profile:
     optimizer_s: float           # AdamW (fused where it exists) over all parameters
     activation_bytes: int        # saved for backward (by storage, at least the threshold)
     activation_records: int
-    workspace: int               # peak memory of the step beyond params, grads, activations
+    step_peak: int               # peak memory of forward and backward beyond the parameters
     module_forward_s: dict[str, float] = field(default_factory=dict)
 
     @classmethod
@@ -241,7 +249,7 @@ class Profile:
                     lambda m, a, o, n=name: times[n].append(times[n].pop() + time.perf_counter())))
         fwd, bwd = [], []
         memory.return_freed_memory()
-        workspace = 0
+        step_peak = 0
         try:
             for i in range(1 + repeats):
                 model.zero_grad(set_to_none=True)
@@ -260,18 +268,19 @@ class Profile:
                     fwd.append(t1 - t0)
                     bwd.append(t2 - t1)
                 if measured_peak and i == repeats:
-                    workspace = memory.peak_rss() - before
+                    step_peak = memory.peak_rss() - before
         finally:
             for h in hooks:
                 h.remove()
         act = sum(n for ptr, n in saved.items() if ptr not in pids)
         grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        workspace = max(0, workspace - act - grads)
+        if not step_peak:  # no peak to read here: everything at once, as a bound
+            step_peak = act + grads
         opt_s = _adam_seconds(sum(p.numel() for p in params))
         per_module = {n: statistics.median(v[1:]) for n, v in times.items() if len(v) > 1}
         return cls(sum(p.numel() for p in params), pbytes, max(owned, default=0), len(owned),
                    statistics.median(fwd),
-                   statistics.median(bwd), opt_s, act, len(saved), workspace, per_module)
+                   statistics.median(bwd), opt_s, act, len(saved), step_peak, per_module)
 
 
 def _adam_seconds(n: int, probe: int = 4 << 20) -> float:
@@ -371,9 +380,7 @@ def _param_budget(policy: Policy, profile: Profile) -> int:
 
 
 def _peak(policy: Policy, profile: Profile, budget: int) -> dict[str, int]:
-    """Bytes each tier holds at the step's peak, above the process before the model:
-    conservative (activations and gradients count in full, though backward frees the one as
-    it makes the other)."""
+    """Bytes each tier holds at the step's peak, above the process before the model."""
     cuda = policy.compute_device().type == "cuda"
     P, n = profile.param_bytes, profile.params
     A = profile.activation_bytes
@@ -400,18 +407,22 @@ def _peak(policy: Policy, profile: Profile, budget: int) -> dict[str, int]:
     # Gradients: all of them, or the units waiting for the pager.
     grads = P if policy.grads != "nvme" else 3 * profile.largest_unit
     opt_tier = "gpu" if policy.optimizer == "gpu" else "cpu"
+    # Paged: the chunk being updated and the one in flight.
     peak[opt_tier] += ADAM_STATE * n if policy.optimizer != "nvme" else \
-        min(ADAM_STATE * n, 3 * 3 * chunk)
+        min(ADAM_STATE * n, 2 * ADAM_STATE // 4 * chunk)
+    # Forward and backward: what the sample step measured (activations and gradients, which
+    # backward trades one for the other), less what is paged.
     if policy.activations is None or (policy.activations == "cpu" and not cuda):
-        acts = A
+        work = profile.step_peak if policy.grads != "nvme" else \
+            min(profile.step_peak, A + grads)
     else:
         avg = A // max(profile.activation_records, 1)
         units, nbytes = policy.prefetch_window()
         window = nbytes if nbytes is not None else units * avg
-        acts = min(A, 2 * window + 2 * avg)
+        work = min(profile.step_peak, grads + min(A, 2 * window + 2 * avg))
         if policy.activations == "cpu":
             peak["cpu"] += A
-    peak[dev] += acts + grads + profile.workspace + SLACK
+    peak[dev] += work + SLACK
     if "nvme" in (policy.params, policy.optimizer, policy.grads, policy.activations):
         peak["cpu"] += MACHINERY
     return peak
@@ -484,7 +495,7 @@ def candidates(cuda: bool, nvme: bool, prefetch: tuple[int, ...] = (1, 2, 4)
 
 
 def auto(model: nn.Module, *, sample: Sample, gpu_budget: int | str | None = None,
-         cpu_budget: int | str | None = None, nvme_dir: str | None = None,
+         cpu_budget: int | str | None = None, nvme_dir: str | tuple | list | None = None,
          bench: dict | str | None = None, device: str | None = None,
          activation_threshold: int | str = "1MiB", machine: Machine | None = None,
          profile: Profile | None = None) -> Policy:

@@ -79,7 +79,8 @@ class Policy:
 
     ``params``: the tier that holds the parameters ("gpu", "cpu" or "nvme"). ``device``: where
     compute runs (default: cuda when present, else cpu). ``nvme_dir``: directory of the swap
-    space (needed for "nvme"). ``gpu_budget`` / ``cpu_budget``: bytes (or "2GiB") of parameters
+    space (needed for "nvme"), or a list of them, one per drive: units are striped over all.
+    ``gpu_budget`` / ``cpu_budget``: bytes (or "2GiB") of parameters
     that may be resident on the compute device at once; default: what the prefetch window needs.
     ``prefetch``: how far ahead to fetch along the recorded order: a number of units, or bytes
     given as a string ("512MiB"). ``io``: engine settings (an ``IOConfig`` or its dict).
@@ -93,7 +94,7 @@ class Policy:
 
     params: str = "cpu"
     device: str | None = None
-    nvme_dir: str | None = None
+    nvme_dir: str | tuple[str, ...] | None = None
     gpu_budget: int | str | None = None
     cpu_budget: int | str | None = None
     prefetch: int | str = 2
@@ -140,6 +141,13 @@ class Policy:
                              f"'256MiB', not {self.prefetch!r}")
         if self.device is not None:
             set_(self, "device", str(self.device))
+        if isinstance(self.nvme_dir, (list, tuple)):  # one directory per drive: striped
+            if not self.nvme_dir:
+                raise ValueError("nvme_dir is an empty list")
+            dirs = tuple(os.fspath(d) for d in self.nvme_dir)
+            set_(self, "nvme_dir", dirs[0] if len(dirs) == 1 else dirs)
+        elif self.nvme_dir is not None:
+            set_(self, "nvme_dir", os.fspath(self.nvme_dir))
 
     def compute_device(self) -> torch.device:
         if self.device is not None:

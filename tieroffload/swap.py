@@ -42,22 +42,40 @@ def stable_tag(names: list[str]) -> str:
     return hashlib.sha1("\n".join(names).encode()).hexdigest()[:12]
 
 
+STRIPE = 4 << 20  # bytes per stripe across several directories
+
+
 class SwapSpace:
     """A swap file of ``nbytes`` in ``directory``, reserved up front (posix_fallocate), locked
-    against a second process that would pick the same name, removed by ``close()``."""
+    against a second process that would pick the same name, removed by ``close()``. Each rank
+    keeps its file in a folder of its own, ``<directory>/rank<r>``. Given several directories
+    (one per drive), one file in each, striped: large units spread over all of them."""
 
-    def __init__(self, directory: str, nbytes: int, tag: str, engine: aio.Engine | None = None,
-                 what: str = "nvme_dir") -> None:
-        self.directory = check_directory(directory, what)
-        free = free_bytes(self.directory)
-        if nbytes > free:
-            raise OSError(errno.ENOSPC, f"{what} has {free} bytes ({format_bytes(free)}) free; "
-                          f"the swap space needs {nbytes} bytes ({format_bytes(nbytes)})",
-                          self.directory)
-        self._lock_fd, self.path = self._claim(tag)
+    def __init__(self, directory: str | os.PathLike | list | tuple, nbytes: int, tag: str,
+                 engine: aio.Engine | None = None, what: str = "nvme_dir") -> None:
+        dirs = [directory] if isinstance(directory, (str, os.PathLike)) else list(directory)
+        if not dirs:
+            raise ValueError(f"{what} is an empty list")
+        self.directories = [check_directory(d, what) for d in dirs]
+        self.directory = self.directories[0]
+        share = -(-nbytes // len(dirs)) + (STRIPE if len(dirs) > 1 else 0)
+        for d in self.directories:
+            free = free_bytes(d)
+            if share > free:
+                raise OSError(errno.ENOSPC, f"{what} has {free} bytes ({format_bytes(free)}) "
+                              f"free; the swap space needs {share} bytes "
+                              f"({format_bytes(share)}) there", d)
+        self._claims: list[tuple[int, str, str]] = []  # (lock fd, path, rank folder)
         try:
-            os.ftruncate(self._lock_fd, 0)
-            self.file = aio.open(self.path, "r+", engine=engine)
+            files = []
+            for d in self.directories:
+                fd, path, folder = self._claim(d, tag)
+                self._claims.append((fd, path, folder))
+                os.ftruncate(fd, 0)
+                files.append(aio.open(path, "r+", engine=engine))
+            self.path = self._claims[0][1]
+            self.paths = [c[1] for c in self._claims]
+            self.file = files[0] if len(files) == 1 else aio.StripedFile(files, STRIPE)
             self.align = max(4096, self.file.align)
             self.capacity = self._round(nbytes)
             if self.capacity:
@@ -67,18 +85,21 @@ class SwapSpace:
             raise
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # sorted (offset, length)
 
-    def _claim(self, tag: str) -> tuple[int, str]:
-        """Opens and locks the first free name: tieroffload-<tag>-rank<r>[-<n>].swap."""
+    def _claim(self, directory: str, tag: str) -> tuple[int, str, str]:
+        """Opens and locks the first free name: rank<r>/tieroffload-<tag>-rank<r>[-<n>].swap."""
+        r = rank()
+        folder = os.path.join(directory, f"rank{r}")
+        os.makedirs(folder, exist_ok=True)
         for n in range(1000):
             suffix = f"-{n}" if n else ""
-            path = os.path.join(self.directory, f"tieroffload-{tag}-rank{rank()}{suffix}.swap")
+            path = os.path.join(folder, f"tieroffload-{tag}-rank{r}{suffix}.swap")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return fd, path
+                return fd, path, folder
             except BlockingIOError:
                 os.close(fd)  # another live process owns this one
-        raise OSError(errno.EEXIST, "no free swap file name", self.directory)
+        raise OSError(errno.EEXIST, "no free swap file name", folder)
 
     def _round(self, n: int) -> int:
         return -(-n // self.align) * self.align
@@ -100,10 +121,14 @@ class SwapSpace:
             grow = need - length
         else:
             off = self.capacity
-        free = free_bytes(self.directory)
-        if grow > free:
-            raise OSError(errno.ENOSPC, f"swap space cannot grow by {grow} bytes: only {free} "
-                          "bytes free", self.path)
+        share = -(-grow // len(self.directories)) + (STRIPE if len(self.directories) > 1 else 0)
+        for d, path in zip(self.directories, self.paths):
+            free = free_bytes(d)
+            if share > free:
+                if off != self.capacity:
+                    self._free.append((off, self.capacity - off))
+                raise OSError(errno.ENOSPC, f"swap space cannot grow by {share} bytes: only "
+                              f"{free} bytes free", path)
         self.capacity += grow
         self.file.allocate(self.capacity)
         return off
@@ -122,16 +147,21 @@ class SwapSpace:
         self._free = merged
 
     def close(self) -> None:
-        """Closes and deletes the swap file."""
-        if getattr(self, "_lock_fd", None) is None:
+        """Closes and deletes the swap files (and the rank folders they leave empty)."""
+        if not self._claims:
             return
         self.file.close()
         self._remove()
 
     def _remove(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        os.close(self._lock_fd)
-        self._lock_fd = None
+        for fd, path, folder in self._claims:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+            try:
+                os.rmdir(folder)
+            except OSError:
+                pass  # another rank's or process's file is still there
+        self._claims = []

@@ -1,0 +1,79 @@
+"""One rank of the distributed tests (run by torchrun), or the single-process reference: trains
+a small GPT with parameters and AdamW state on NVMe and writes the losses as JSON.
+
+    torchrun --nproc_per_node 2 tests/dist_worker.py --mode ddp --dir D --out losses.json
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import tieroffload
+from tieroffload import Policy
+from tieroffload.models import GPT, token_batch
+
+VOCAB, SEQ, BATCH = 97, 16, 8  # BATCH: the global batch, split over the ranks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["single", "ddp"], required=True)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--save-at", type=int, default=0, help="checkpoint after this many steps")
+    ap.add_argument("--resume", default=None, help="checkpoint to start from")
+    ap.add_argument("--ckpt", default=None)
+    args = ap.parse_args()
+    rank, world = 0, 1
+    if args.mode == "ddp":
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(VOCAB, 32, 2, 4, SEQ)
+    # DDP first: it broadcasts the parameters, which must still be resident; then offload the
+    # module inside it.
+    wrapped = DistributedDataParallel(model) if args.mode == "ddp" else model
+    tieroffload.offload(model, Policy(params="nvme", optimizer="nvme", nvme_dir=args.dir,
+                                      device="cpu", cpu_budget=64 << 10))
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=3e-3)
+    swap = model._tieroffload.swap.path
+    start = 0
+    if args.resume:
+        start = tieroffload.load_checkpoint(args.resume, model, opt)["step"]
+    losses = []
+    per = BATCH // world
+    for step in range(start, args.steps):
+        x, y = token_batch(step, BATCH, SEQ, VOCAB)
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        loss = F.cross_entropy(wrapped(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+        if step + 1 == args.save_at:
+            tieroffload.save_checkpoint(args.ckpt, model, opt, extra={"step": step + 1})
+    swaps = [None] * world
+    if world > 1:
+        dist.all_gather_object(swaps, swap)
+    else:
+        swaps = [swap]
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"losses": losses, "swaps": swaps}, f)
+    tieroffload.close(model, restore=False)
+    if world > 1:
+        dist.destroy_process_group()
+    os.sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
