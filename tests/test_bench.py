@@ -69,6 +69,8 @@ def test_without_fio_the_run_says_so_and_has_no_ratios(tmp_path, monkeypatch):
     assert all(r["ratio_to_fio"] is None for r in result["summary"])
     assert result["recommended_figures"]["read_ratio_to_fio"] is None
     assert "recommended:" in bench.format_table(result)
+    assert result["aggregate"] == []  # one directory, one process: nothing to add
+    assert "aggregate" not in bench.format_table(result)
     assert os.listdir(tmp_path) == []
 
 
@@ -162,3 +164,86 @@ def test_interrupt_removes_the_scratch_file(tmp_path, sig):
     assert proc.returncode == 130, err
     assert "interrupted" in err
     assert os.listdir(tmp_path) == []
+
+
+def test_several_directories_and_processes(tmp_path):
+    """Two directories (on one device here) and two processes: the aggregate rows, in the table
+    and the JSON, and no file left behind in either directory."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    out = tmp_path / "out.json"
+    started = time.monotonic()
+    proc = run_cli("--dir", str(a), "--dir", str(b), "--procs", "2", "--size", "16M", "--quick",
+                   "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - started < 30
+    assert os.listdir(a) == [] and os.listdir(b) == []
+    assert "recommended:" in proc.stdout
+    assert "aggregate at the recommended setting" in proc.stdout
+    assert "these directories share one device: their bandwidths do not add" in proc.stdout
+    assert "processes sharing a drive divide its bandwidth" in proc.stdout
+
+    data = json.loads(out.read_text())
+    assert data["dirs"] == [str(a), str(b)] and data["procs"] == 2
+    rows = data["aggregate"]
+    assert sorted((r["dirs"], r["procs"], r["direction"]) for r in rows) == sorted(
+        (k, p, d) for k in (1, 2) for p in (1, 2) for d in ("read", "write"))
+    for r in rows:
+        assert len(r["per_proc_gbps"]) == r["procs"], r
+        assert all(g > 0 for g in r["per_proc_gbps"]) and r["total_gbps"] > 0, r
+        # The total spans the common start to the last finish: no more than the sum.
+        assert r["total_gbps"] <= sum(r["per_proc_gbps"]) * 1.001, r
+    table = bench.format_table(data)
+    for r in rows:
+        assert f"{r['total_gbps']:.2f}" in table
+
+
+def test_missing_second_directory(tmp_path):
+    proc = run_cli("--dir", str(tmp_path), "--dir", str(tmp_path / "nope"), "--quick")
+    assert_one_line_error(proc, str(tmp_path / "nope"), "no such directory")
+    assert os.listdir(tmp_path) == []
+
+
+def two_dirs(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    return a, b
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"procs": 0}, ["--procs must be at least 1, not 0"]),
+    ({"same": True}, ["the same directory as --dir"]),
+    ({"free": 24 << 20}, ["not enough free space", "--size 16M per process x --procs 2",
+                          "GB free"]),
+])
+def test_bad_input_with_several_directories(tmp_path, monkeypatch, kw, words):
+    a, b = two_dirs(tmp_path)
+    if "free" in kw:  # room for one process's 16M, not for two
+        real = bench.shutil.disk_usage
+        monkeypatch.setattr(bench.shutil, "disk_usage",
+                            lambda d: real(d)._replace(free=kw["free"]))
+    dirs = [a, tmp_path / "a" / "."] if kw.get("same") else [a, b]
+    with pytest.raises(bench.BenchError) as e:
+        bench.run_nvme(dirs, "16M", quick=True, progress=False, procs=kw.get("procs", 2))
+    for w in words:
+        assert w in str(e.value), str(e.value)
+    assert os.listdir(a) == [] and os.listdir(b) == []
+
+
+def test_a_failing_aggregate_removes_its_files(tmp_path, monkeypatch):
+    a, b = two_dirs(tmp_path)
+
+    real = bench._stream
+
+    def fail(f, bufs, size, write):
+        if not isinstance(f, bench.aio.StripedFile):  # one directory: goes well
+            return real(f, bufs, size, write)
+        assert all(os.path.exists(p) for p in f.paths)  # striped over both directories
+        raise OSError("the disk is on fire")
+
+    monkeypatch.setattr(bench, "_stream", fail)
+    with pytest.raises(OSError, match="the disk is on fire"):
+        bench.run_nvme([a, b], "8M", quick=True, progress=False)
+    assert os.listdir(a) == [] and os.listdir(b) == []

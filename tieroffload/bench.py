@@ -7,6 +7,12 @@ backends, a plain Python ``readinto``/``write`` loop, ``aiofiles`` and, where it
 sizes and queue depths. Reads are cold: the page cache is dropped before each one where that is
 allowed. Figures are medians of the repeats, in GB/s (1e9 bytes per second).
 
+Given several directories (``--dir`` repeated, one per drive) or ``--procs N``, an aggregate
+measurement follows at the recommended setting: each process streams its own file, striped over
+the directories as the swap space stripes (``aio.StripedFile``, ``swap.STRIPE``), in 64 MiB
+requests, and the table gives per-process and total GB/s for one directory and all of them, with
+one process and with N.
+
 ``run_nvme`` returns the same dict that ``--json`` writes; its ``recommended`` block is what
 ``IOConfig.from_dict`` / ``IOConfig.from_json`` load.
 """
@@ -20,13 +26,16 @@ import concurrent.futures
 import errno
 import importlib.util
 import json
+import multiprocessing
 import os
 import platform
+import queue
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -35,7 +44,7 @@ import aiofiles
 import torch
 from tqdm import tqdm
 
-from . import __version__, aio
+from . import __version__, aio, swap
 from .memory import drop_page_cache
 from .policy import IOConfig
 from .sizes import parse_bytes
@@ -62,6 +71,9 @@ CHUNK = 64 * MiB
 DEEPSPEED_MAX = GiB
 # Configurations within this fraction of the best are taken as equal: the smaller one is advised.
 WITHIN = 0.03
+# The aggregate measurement: requests of CHUNK bytes, this many in flight per process, each from
+# its own aligned buffer (as the swap space's staging is fed).
+AGG_INFLIGHT = 4
 FIO = "fio"
 ENGINE_PREFIX = "tieroffload/"
 
@@ -113,6 +125,7 @@ class _Scratch:
             os.close(os.open(self.path, os.O_RDONLY | os.O_DIRECT))
         except OSError as e:
             if e.errno != errno.EINVAL:
+                self.remove()
                 raise
             self.direct = False
         self.size = size
@@ -290,21 +303,252 @@ def _check_dir(directory: str) -> None:
         raise BenchError(f"--dir {directory}: not a directory")
 
 
-def _check_space(directory: str, size: int) -> None:
-    free = shutil.disk_usage(directory).free
-    if free < size:
-        raise BenchError(f"--dir {directory}: not enough free space for --size "
-                         f"{format_size(size)} ({size / 1e9:.3g} GB needed, {free / 1e9:.3g} GB "
-                         "free)")
+def _striped_share(size: int, k: int, i: int) -> int:
+    """Bytes of file ``i`` when ``size`` bytes are striped over ``k`` files (as
+    ``StripedFile.file_size``; one file takes ``size`` as it is)."""
+    if k == 1:
+        return size
+    stripes = -(-size // swap.STRIPE)
+    return (stripes // k + (1 if i < stripes % k else 0)) * swap.STRIPE
 
 
-def run_nvme(directory: str | os.PathLike, size: int | str | None = None, *, quick: bool = False,
-             repeats: int | None = None, progress: bool = True) -> dict[str, Any]:
+def _check_space(directories: list[str], size: int, procs: int, aggregate: bool) -> None:
+    """Each device must hold the most that is on it at one time: the sweep's scratch file, then
+    (aggregate) ``procs`` files of ``size`` in the first directory, then ``procs`` striped files
+    over all the directories (directories on one device counted together)."""
+    devices = [os.stat(d).st_dev for d in directories]
+    phases = [{devices[0]: size}]
+    if aggregate:
+        phases.append({devices[0]: procs * size})
+        striped: dict[int, int] = collections.Counter()
+        for i, dev in enumerate(devices):
+            striped[dev] += procs * _striped_share(size, len(directories), i)
+        phases.append(striped)
+    first: dict[int, str] = {}
+    for dev, directory in zip(devices, directories):
+        first.setdefault(dev, directory)
+    for dev, directory in first.items():
+        need = max(phase.get(dev, 0) for phase in phases)
+        free = shutil.disk_usage(directory).free
+        if free < need:
+            per = f" per process x --procs {procs}" if procs > 1 else ""
+            raise BenchError(f"--dir {directory}: not enough free space for --size "
+                             f"{format_size(size)}{per} ({need / 1e9:.3g} GB needed, "
+                             f"{free / 1e9:.3g} GB free)")
+
+
+def _agg_paths(directories: list[str], tag: str, rank: int) -> list[str]:
+    return [os.path.join(d, f".tieroffload-bench-{tag}-rank{rank}.tmp") for d in directories]
+
+
+def _stream(f: Any, bufs: list[torch.Tensor], size: int, write: bool) -> tuple[float, float, int]:
+    """``size`` bytes through ``f`` in requests of one buffer each, ``len(bufs)`` in flight:
+    (start, end, bytes), on the monotonic clock that every process of the machine shares.
+    Writes end once synced."""
+    op = f.pwrite if write else f.pread
+    inflight: collections.deque[Any] = collections.deque()
+    offset = moved = k = 0
+    start = time.monotonic()
+    while offset < size or inflight:
+        while offset < size and len(inflight) < len(bufs):
+            n = min(bufs[0].numel(), size - offset)
+            inflight.append(op(bufs[k % len(bufs)], offset, n))
+            offset, k = offset + n, k + 1
+        moved += inflight.popleft().result()
+    if write:
+        f.sync()
+    return start, time.monotonic(), moved
+
+
+def _agg_run(rank: int, barrier: Any, task: dict[str, Any]) -> dict[str, Any]:
+    """One process's part of an aggregate measurement: its own engine and files (striped when
+    there are several directories, as ``SwapSpace`` does), filled once unmeasured (first writes
+    convert extents), then a timed write and, after the page cache is dropped, a timed read, both
+    started together with the other processes. The files are removed whatever happens."""
+    directories, size = task["dirs"], task["size"]
+    paths = _agg_paths(directories, task["tag"], rank)
+    files: list[aio.File] = []
+    eng = IOConfig.from_dict(task["io"]).engine()
+    try:
+        for path, direct in zip(paths, task["direct"]):
+            files.append(aio.open(path, "w+", engine=eng, direct=direct))
+        f = files[0] if len(files) == 1 else aio.StripedFile(files, swap.STRIPE)
+        f.allocate(size)
+        # Not pinned: pinning does not change disk I/O and would start CUDA in every process.
+        bufs = [aio.aligned_empty(min(CHUNK, size), pin=False) for _ in range(AGG_INFLIGHT)]
+        bufs[0].copy_(torch.randint(0, 256, (bufs[0].numel(),), dtype=torch.uint8))
+        for b in bufs[1:]:
+            b.copy_(bufs[0])
+        _stream(f, bufs, size, write=True)
+        barrier.wait()
+        write = _stream(f, bufs, size, write=True)
+        barrier.wait()
+        cold = drop_page_cache() if rank == 0 else None
+        barrier.wait()
+        read = _stream(f, bufs, size, write=False)
+        return {"write": write, "read": read, "cold": cold}
+    finally:
+        for fi in files:
+            fi.close()
+        eng.close()
+        for path in paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def _agg_worker(rank: int, barrier: Any, tasks: Any, results: Any) -> None:
+    """A spawned process: runs the tasks it is sent until None; a failure breaks the barrier
+    so that the others stop too, and is sent back as text (aio's errors do not all pickle)."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        while (task := tasks.get()) is not None:
+            try:
+                results.put((rank, _agg_run(rank, barrier, task), None))
+            except Exception as e:
+                barrier.abort()
+                broken = isinstance(e, threading.BrokenBarrierError)
+                results.put((rank, None, (broken, f"{type(e).__name__}: {e}")))
+    except KeyboardInterrupt:
+        pass  # the parent is stopping: the files went in _agg_run's finally
+
+
+class _Workers:
+    """``procs`` spawned processes that start each task together (a shared barrier)."""
+
+    def __init__(self, procs: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.results = ctx.Queue()
+        self.tasks = [ctx.SimpleQueue() for _ in range(procs)]
+        # Kept here: the children unpickle its semaphores after start() returns.
+        self.barrier = ctx.Barrier(procs)
+        self.procs = [ctx.Process(target=_agg_worker, args=(r, self.barrier, self.tasks[r],
+                                                             self.results),
+                                  name=f"tieroffload-bench-{r}", daemon=True)
+                      for r in range(procs)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        for t in self.tasks:
+            t.put(task)
+        got: dict[int, Any] = {}
+        errors: list[tuple[bool, str]] = []
+        while len(got) + len(errors) < len(self.procs):
+            try:
+                rank, out, err = self.results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p for p in self.procs if p.exitcode is not None]
+                if dead:
+                    raise RuntimeError(f"bench process {dead[0].name} died (exit code "
+                                       f"{dead[0].exitcode})") from None
+                continue
+            if err is None:
+                got[rank] = out
+            else:
+                errors.append((err[0], f"bench process {rank}: {err[1]}"))
+        if errors:
+            # The first cause, not the broken barrier it left the others with.
+            raise RuntimeError(min(errors)[1])
+        return [got[r] for r in range(len(self.procs))]
+
+    def close(self) -> None:
+        for t, p in zip(self.tasks, self.procs):
+            if p.exitcode is None:
+                try:
+                    t.put(None)
+                except OSError:
+                    pass
+        for p in self.procs:
+            p.join(10)
+            if p.exitcode is None:
+                p.terminate()  # SIGTERM: the worker still removes its files
+                p.join(10)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        self.results.close()
+
+
+def _aggregate(directories: list[str], direct: list[bool], size: int, procs: int,
+               io: dict[str, Any], progress: bool) -> tuple[list[dict[str, Any]], bool]:
+    """The aggregate rows for (1 directory, all of them) x (1 process, ``procs``), and whether
+    the reads were cold. One process runs here; several are spawned, and start together."""
+    tag = str(os.getpid())
+    configs = sorted({(k, p) for k in (1, len(directories)) for p in (1, procs)},
+                     key=lambda c: (c[1], c[0]))
+    rows: list[dict[str, Any]] = []
+    cold = True
+    workers = None
+    bar = tqdm(total=len(configs), unit="run", disable=not progress, file=sys.stderr,
+               desc="aggregate")
+    try:
+        for k, p in configs:
+            bar.set_postfix_str(f"{k} dir{'s' if k > 1 else ''}, {p} "
+                                f"process{'es' if p > 1 else ''}")
+            task = {"dirs": directories[:k], "direct": direct[:k], "size": size, "io": io,
+                    "tag": tag}
+            if p == 1:
+                outs = [_agg_run(0, threading.Barrier(1), task)]
+            else:
+                if workers is None:
+                    workers = _Workers(procs)
+                outs = workers.run(task)
+            cold = bool(outs[0]["cold"]) and cold
+            for direction in ("read", "write"):
+                spans = [o[direction] for o in outs]
+                wall = max(e for _, e, _ in spans) - min(s for s, _, _ in spans)
+                rows.append({"dirs": k, "procs": p, "direction": direction,
+                             "per_proc_gbps": [b / (e - s) / 1e9 for s, e, b in spans],
+                             "total_gbps": sum(b for _, _, b in spans) / wall / 1e9})
+            bar.update()
+    finally:
+        bar.close()
+        if workers is not None:
+            workers.close()
+        # Whatever a killed process could not remove.
+        for r in range(procs):
+            for path in _agg_paths(directories, tag, r):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+    return rows, cold
+
+
+def _device_notes(directories: list[str]) -> list[str]:
+    groups: dict[int, list[str]] = collections.defaultdict(list)
+    for d in directories:
+        groups[os.stat(d).st_dev].append(d)
+    shared = [g for g in groups.values() if len(g) > 1]
+    if len(shared) == 1 and len(shared[0]) == len(directories):
+        return ["these directories share one device: their bandwidths do not add"]
+    return [f"{' and '.join(g)} share one device: their bandwidths do not add" for g in shared]
+
+
+def run_nvme(directory: str | os.PathLike | list[str | os.PathLike] | tuple[str | os.PathLike, ...],
+             size: int | str | None = None, *, quick: bool = False, repeats: int | None = None,
+             progress: bool = True, procs: int = 1) -> dict[str, Any]:
     """Runs the sweep in ``directory`` and returns every measurement, a summary of medians, the
     ``recommended`` I/O settings and notes. ``size``: bytes or a string like "1G" (default 1G,
     256M with ``quick``), rounded down to a whole MiB. ``quick``: 1M blocks at queue depth 8 and
-    32, one repeat, half-second caps. Raises ``BenchError`` on bad input, before writing."""
-    directory = os.fspath(directory)
+    32, one repeat, half-second caps. Raises ``BenchError`` on bad input, before writing.
+
+    ``directory`` may be a list, one directory per drive: the sweep runs in the first. Then, when
+    there are several directories or ``procs`` > 1, the ``aggregate`` rows measure the
+    recommended setting over the first directory alone and over all of them striped, with one
+    process and with ``procs`` processes at once (``size`` bytes each, so the first directory
+    needs room for ``procs`` x ``size``): ``{"dirs", "procs", "direction", "per_proc_gbps",
+    "total_gbps"}``, the total being all bytes over the time from the common start to the last
+    finish. Writes are timed on a second pass over the files (as the sweep's, past the extent
+    conversion of first writes) up to their fsync; reads are cold where allowed. With one
+    directory and one process ``aggregate`` is an empty list: it would repeat the sweep's
+    recommended figures."""
+    dirs = ([os.fspath(d) for d in directory] if isinstance(directory, (list, tuple))
+            else [os.fspath(directory)])
+    if not dirs:
+        raise BenchError("--dir is needed")
     if size is None:
         size = QUICK_SIZE if quick else DEFAULT_SIZE
     elif isinstance(size, str):
@@ -318,22 +562,39 @@ def run_nvme(directory: str | os.PathLike, size: int | str | None = None, *, qui
     repeats = repeats if repeats is not None else 1 if quick else 3
     if repeats < 1:
         raise BenchError(f"--repeats must be at least 1, not {repeats}")
+    if procs < 1:
+        raise BenchError(f"--procs must be at least 1, not {procs}")
     block_sizes = QUICK_BLOCK_SIZES if quick else BLOCK_SIZES
     depths = QUICK_QUEUE_DEPTHS if quick else QUEUE_DEPTHS
     cap_s = QUICK_TIME_CAP if quick else TIME_CAP
-    _check_dir(directory)
+    seen: dict[tuple[int, int], str] = {}
+    for d in dirs:
+        _check_dir(d)
+        st = os.stat(d)
+        if (st.st_dev, st.st_ino) in seen:
+            raise BenchError(f"--dir {d}: the same directory as --dir "
+                             f"{seen[st.st_dev, st.st_ino]}")
+        seen[st.st_dev, st.st_ino] = d
+    aggregate = len(dirs) > 1 or procs > 1
+    directory = dirs[0]
 
     notes: list[str] = []
     scratch = _Scratch(directory, size)
     bar = None
     try:
-        _check_space(directory, size)
+        direct = [scratch.direct]
+        for d in dirs[1:]:  # writable, and takes O_DIRECT? Before anything is written.
+            probe = _Scratch(d, 0)
+            probe.remove()
+            direct.append(probe.direct)
+        _check_space(dirs, size, procs, aggregate)
         if not scratch.direct:
             notes.append(f"{directory} refuses O_DIRECT: every engine ran buffered, so the "
                          "figures include the page cache")
         buf = aio.aligned_empty(min(CHUNK, size))
         buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8))
         contenders = _contenders(scratch, buf, block_sizes, cap_s, notes)
+        engines = [c.name for c in contenders]
 
         points = sorted({_Point(d, bs, qd) for d in ("read", "write") for bs in block_sizes
                          for qd in (*depths, 1)},
@@ -375,28 +636,43 @@ def run_nvme(directory: str | os.PathLike, size: int | str | None = None, *, qui
         if bar is not None:
             bar.close()
         scratch.remove()
-    if not cold:
-        notes.append("cannot drop the page cache (needs root): reads may be warm")
+    del buf, contenders  # the sweep's buffers (DeepSpeed's up to 1 GiB) are not needed now
     summary = _summarise(runs)
     recommended, figures = _recommend(summary)
+    agg_rows: list[dict[str, Any]] = []
+    if aggregate:
+        agg_rows, agg_cold = _aggregate(dirs, direct, size, procs, recommended, progress)
+        cold = cold and agg_cold
+        notes.extend(f"{d} refuses O_DIRECT: the aggregate ran buffered there"
+                     for d, ok in zip(dirs[1:], direct[1:]) if not ok)
+        notes.extend(_device_notes(dirs))
+        if procs > 1:
+            notes.append(f"the {procs} processes share the drives: processes sharing a drive "
+                         "divide its bandwidth, so their per-process GB/s add up to at most the "
+                         "drive's, and the total is what the drives give all of them")
+    if not cold:
+        notes.append("cannot drop the page cache (needs root): reads may be warm")
     return {
         "tool": "tieroffload-bench nvme",
         "version": __version__,
         "dir": os.path.abspath(directory),
+        "dirs": [os.path.abspath(d) for d in dirs],
         "size": size,
         "quick": quick,
         "repeats": repeats,
+        "procs": procs,
         "time_cap_s": cap_s,
         "direct": scratch.direct,
         "cold_reads": cold,
         "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
         "units": "GB/s = 1e9 bytes per second",
         "notes": notes,
-        "engines": [c.name for c in contenders],
+        "engines": engines,
         "runs": runs,
         "summary": summary,
         "recommended": recommended,
         "recommended_figures": figures,
+        "aggregate": agg_rows,
     }
 
 
@@ -446,7 +722,8 @@ def _recommend(summary: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str,
 
 def format_table(result: dict[str, Any]) -> str:
     """The printed report: one line per (direction, block size, queue depth), each engine's
-    median GB/s and, in brackets, its ratio to fio there; then the recommendation and notes."""
+    median GB/s and, in brackets, its ratio to fio there; then the recommendation, the aggregate
+    rows (when there are any) and notes."""
     rows = {(r["engine"], r["direction"], r["block_size"], r["queue_depth"]): r
             for r in result["summary"]}
     engines = [e for e in result["engines"] if any(r[0] == e for r in rows)]
@@ -477,8 +754,27 @@ def format_table(result: dict[str, Any]) -> str:
         line += (f" ({fig['read_ratio_to_fio']:.2f} and {fig['write_ratio_to_fio']:.2f} of fio's "
                  f"{fig['fio_read_gbps']:.2f} and {fig['fio_write_gbps']:.2f})")
     out.append(line)
+    out.extend(_aggregate_table(result))
     out.extend(f"note: {n}" for n in result["notes"])
     return "\n".join(out)
+
+
+def _aggregate_table(result: dict[str, Any]) -> list[str]:
+    rows = result.get("aggregate") or []
+    if not rows:
+        return []
+    dirs = result["dirs"]
+    over = (f"{dirs[0]} (1 dir) and striped in {format_size(swap.STRIPE)} over "
+            f"{', '.join(dirs)} ({len(dirs)} dirs)" if len(dirs) > 1 else dirs[0])
+    out = [f"aggregate at the recommended setting: {format_size(result['size'])} per process in "
+           f"{format_size(min(CHUNK, result['size']))} requests, {AGG_INFLIGHT} in flight, over "
+           f"{over}; GB/s (1e9 B/s)",
+           f"{'dirs':>4}{'procs':>6}  {'dir':<6}{'total':>7}  per process"]
+    for r in rows:
+        per = " ".join(f"{g:.2f}" for g in r["per_proc_gbps"])
+        out.append(f"{r['dirs']:>4}{r['procs']:>6}  {r['direction']:<6}{r['total_gbps']:>7.2f}  "
+                   f"{per}")
+    return out
 
 
 def _figure(**kw: Any) -> Any:
@@ -539,7 +835,8 @@ def _check_output(flag: str, path: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``tieroffload-bench nvme --dir DIR [--size 1G] [--quick] [--json F] [--plot F]``."""
+    """``tieroffload-bench nvme --dir DIR [--dir DIR2 ...] [--procs N] [--size 1G] [--quick]
+    [--json F] [--plot F]``."""
     parser = argparse.ArgumentParser(
         prog="tieroffload-bench",
         description="Measures the disk (fio), tieroffload on it and the alternatives, side by "
@@ -549,8 +846,15 @@ def main(argv: list[str] | None = None) -> int:
         "nvme", help="sequential O_DIRECT read/write sweep of one scratch file",
         description="Sweeps read and write over block sizes and queue depths for fio (io_uring), "
                     "each tieroffload backend, a Python loop, aiofiles and DeepSpeed (when it "
-                    "loads); prints a table and the recommended settings.")
-    nvme.add_argument("--dir", required=True, help="directory on the disk to measure")
+                    "loads); prints a table and the recommended settings. With several --dir "
+                    "or --procs N, then measures the recommended setting striped over all the "
+                    "directories and with N processes at once.")
+    nvme.add_argument("--dir", required=True, action="append",
+                      help="directory on the disk to measure; give it once per drive to also "
+                           "measure them striped together (the sweep runs in the first)")
+    nvme.add_argument("--procs", type=int, default=1,
+                      help="also measure with this many processes at once, each with its own "
+                           "files (default 1)")
     nvme.add_argument("--size", help="scratch file size, e.g. 1G, 512M, 1GiB "
                                      f"(default {format_size(DEFAULT_SIZE)}, "
                                      f"{format_size(QUICK_SIZE)} with --quick)")
@@ -570,7 +874,8 @@ def main(argv: list[str] | None = None) -> int:
         _check_output("--plot", args.plot)
         if args.plot:
             _figure()  # matplotlib missing fails now, not after minutes of measuring
-        result = run_nvme(args.dir, args.size, quick=args.quick, repeats=args.repeats)
+        result = run_nvme(args.dir, args.size, quick=args.quick, repeats=args.repeats,
+                          procs=args.procs)
         print(format_table(result))
         if args.json:
             with open(args.json, "w") as f:
@@ -581,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tieroffload-bench nvme: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("tieroffload-bench nvme: interrupted; scratch file removed", file=sys.stderr)
+        print("tieroffload-bench nvme: interrupted; scratch files removed", file=sys.stderr)
         return 130
     return 0
 

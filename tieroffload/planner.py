@@ -61,7 +61,8 @@ class Machine:
                 bench: dict | str | os.PathLike | None = None, size: int = 256 << 20) -> Machine:
         """Reads disk figures from a bench result (its dict or JSON file) or measures them in
         ``nvme_dir`` (``size`` bytes, O_DIRECT, cold reads where allowed); measures the rest.
-        Several directories (striped) add their bandwidths; the ranks of one node
+        Several directories (striped) on different devices add their bandwidths (on one
+        device, they share it); the ranks of one node
         (``LOCAL_WORLD_SIZE``) share them, so each rank counts its share."""
         dirs = [] if nvme_dir is None else [os.fspath(d) for d in nvme_dir] \
             if isinstance(nvme_dir, (list, tuple)) else [os.fspath(nvme_dir)]
@@ -78,7 +79,9 @@ class Machine:
                 cost = io_cost(nvme_dir, io)
         elif nvme_dir is not None:
             io = IOConfig()
-            figures = [disk_gbps(d, size, io) for d in dirs]
+            # Directories on one device share its bandwidth: measure one of each device.
+            devices = {os.stat(d).st_dev: d for d in reversed(dirs)}
+            figures = [disk_gbps(d, size, io) for d in devices.values()]
             read, write = sum(f[0] for f in figures), sum(f[1] for f in figures)
             cost = io_cost(nvme_dir, io)
         else:  # no NVMe tier: its figures are never used
