@@ -9,7 +9,6 @@ GB/s measured here), step time / max(compute, I/O bound), and peak RSS.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -18,34 +17,10 @@ import torch
 import torch.nn.functional as F
 
 import tieroffload
-from tieroffload import aio
 from tieroffload.memory import peak_rss, reset_peak_rss, rss
 from tieroffload.models import GPT, token_batch
+from tieroffload.planner import disk_gbps
 from tieroffload.sizes import format_bytes
-
-
-def disk_gbps(directory: str, nbytes: int = 1 << 30) -> tuple[float, float]:
-    """(read, write) GB/s at 1 MiB, queue depth 32, O_DIRECT, in 64 MiB requests. Writes are
-    timed on a second pass: the first one into freshly reserved space also converts the file
-    system's unwritten extents, which the swap space pays once, not every step."""
-    path = os.path.join(directory, "bench-disk.bin")
-    chunk = 64 << 20
-    bufs = [aio.aligned_empty(chunk) for _ in range(4)]
-    with aio.Engine(queue_depth=32) as eng, aio.open(path, "w+", engine=eng) as f:
-        f.allocate(nbytes)
-        for _ in range(2):
-            t0 = time.perf_counter()
-            futs = [f.pwrite(bufs[i % 4], off) for i, off in enumerate(range(0, nbytes, chunk))]
-            for fut in futs:
-                fut.result()
-            f.sync()
-            t1 = time.perf_counter()
-        futs = [f.pread(bufs[i % 4], off) for i, off in enumerate(range(0, nbytes, chunk))]
-        for fut in futs:
-            fut.result()
-        t2 = time.perf_counter()
-    os.remove(path)
-    return nbytes / (t2 - t1) / 1e9, nbytes / (t1 - t0) / 1e9
 
 
 class RandomWeights(dict):
@@ -92,7 +67,7 @@ def main() -> None:
     args = p.parse_args()
     tmp = tempfile.TemporaryDirectory(dir=args.dir or ".", prefix="bench-train-")
 
-    read_gbps, write_gbps = disk_gbps(tmp.name)
+    read_gbps, write_gbps = disk_gbps(tmp.name, 1 << 30)
     torch.manual_seed(0)
     with torch.device("meta" if args.meta else "cpu"):
         model = GPT(args.vocab, args.d, args.layers, 16, args.seq)
