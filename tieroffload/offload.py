@@ -133,6 +133,10 @@ class OffloadState:
                                    prefetch_bytes, self.stats, policy.adapt)
         self.grads = (GradPager(self.units, self.swap, self.mover, self.stats)
                       if policy.grads == "nvme" else None)
+        if self.grads is not None and _world_size() > 1:
+            log.warning('grads="nvme" pages each unit\'s gradients during backward, before DDP '
+                        "or an all-reduce after backward could reduce them; with several ranks "
+                        "keep gradients on the compute device (the default)")
         self._move_home()
 
     def _setup_activations(self, model: nn.Module, io_delay: Callable[[], None] | None) -> None:
@@ -443,6 +447,12 @@ class OffloadState:
             self.engine.close()
             self.engine = None
         _live.discard(self)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _grad_tensors(tree: Any) -> list[torch.Tensor]:
