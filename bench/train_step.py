@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import tieroffload
+from tieroffload.bench import disk_gbps
 from tieroffload.memory import peak_rss, reset_peak_rss, rss
 from tieroffload.models import GPT, token_batch
-from tieroffload.planner import disk_gbps
 from tieroffload.sizes import format_bytes
 
 

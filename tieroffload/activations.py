@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import torch
 
 from . import aio
 from .swap import SwapSpace
-from .tiers import Mover, Stats, Ticket
+from .tiers import Mover, Stats, Ticket, timed_wait
 
 log = logging.getLogger("tieroffload")
 
@@ -170,7 +169,7 @@ class ActivationPager:
                 self.stats.hits += 1
             self._prefetch_before(r)
         if storage is None:
-            self._wait(r.read)
+            timed_wait(r.read, self.stats)
             with self._lock:
                 storage = r.restored
         with self._lock:
@@ -266,13 +265,6 @@ class ActivationPager:
             if q.source is None and q.restored is None and q.read is None:
                 self._read(q)
 
-    def _wait(self, ticket: Ticket | None) -> None:
-        if ticket is None:
-            return
-        t0 = time.perf_counter()
-        ticket.wait()
-        self.stats.wait_s += time.perf_counter() - t0
-
     def retire(self, block: bool = False) -> None:
         """Lets go of the sources (and host copies, for NVMe) of records whose writes are done.
         Runs on the thread that packs, so a storage's address is reused only once its record
@@ -289,7 +281,7 @@ class ActivationPager:
                 else:
                     ticket = None
             if ticket is not None:
-                self._wait(ticket)
+                timed_wait(ticket, self.stats)
                 continue
             r.write.wait()  # re-raises what the worker met
             with self._lock:
@@ -304,7 +296,7 @@ class ActivationPager:
     def _throttle(self) -> None:
         """Forward waits for the oldest writes while more than ``max_inflight`` bytes are held."""
         while self._inflight > self.max_inflight and self._writing:
-            self._wait(self._writing[0].write)
+            timed_wait(self._writing[0].write, self.stats)
             self.retire()
 
     def _drop(self, r: _Record) -> None:

@@ -521,15 +521,9 @@ class StripedFile:
     def pwrite(self, buf: Any, offset: int = 0, nbytes: int | None = None) -> Gather:
         return self._submit(buf, offset, nbytes, write=True)
 
-    def file_size(self, nbytes: int, i: int) -> int:
-        """Bytes of file ``i`` that a logical size of ``nbytes`` needs."""
-        n, s = len(self.files), self.stripe
-        stripes = -(-nbytes // s)
-        return (stripes // n + (1 if i < stripes % n else 0)) * s
-
     def allocate(self, nbytes: int) -> None:
         for i, f in enumerate(self.files):
-            size = self.file_size(nbytes, i)
+            size = stripe_share(nbytes, len(self.files), i, self.stripe)
             if size:
                 f.allocate(size)
 
@@ -543,6 +537,15 @@ class StripedFile:
 
     def __repr__(self) -> str:
         return f"StripedFile({self.paths!r}, stripe={self.stripe})"
+
+
+def stripe_share(nbytes: int, n: int, i: int, stripe: int) -> int:
+    """Bytes of file ``i`` of ``n`` that ``nbytes`` striped in ``stripe`` bytes need (one file
+    takes ``nbytes`` as it is)."""
+    if n == 1:
+        return nbytes
+    stripes = -(-nbytes // stripe)
+    return (stripes // n + (1 if i < stripes % n else 0)) * stripe
 
 
 def _bytes_view(buf: Any) -> Any:

@@ -11,7 +11,6 @@ import logging
 import math
 from typing import Any, Callable
 
-import psutil
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
@@ -31,22 +30,11 @@ def _is_oom(e: BaseException) -> bool:
                                             or "out of memory" in str(e))
 
 
-def _cgroup_limit() -> int | None:
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            v = f.read().strip()
-        return None if v == "max" else int(v)
-    except (OSError, ValueError):
-        return None
-
-
 def default_budget(device: torch.device) -> int:
     """90% of the device's memory: the GPU's, or RAM (the cgroup's limit where lower)."""
     if device.type == "cuda":
         return int(0.9 * torch.cuda.get_device_properties(device).total_memory)
-    total = psutil.virtual_memory().total
-    limit = _cgroup_limit()
-    return int(0.9 * min(total, limit or total))
+    return int(0.9 * memory.ram_limit())
 
 
 class AutoBatch:
@@ -91,21 +79,6 @@ class AutoBatch:
         """Micro-batches per batch at the current size."""
         return math.ceil(self.batch_size / self.micro)
 
-    # -- memory --------------------------------------------------------------------------------
-
-    def _reset(self) -> int:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return torch.cuda.memory_allocated(self.device)
-        if not memory.reset_peak_rss():
-            raise RuntimeError("AutoBatch needs /proc/self/clear_refs to measure peak memory")
-        return memory.rss()
-
-    def _peak(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
-        return memory.peak_rss()
-
     # -- a step --------------------------------------------------------------------------------
 
     def backward(self, fn: Callable[[Any], torch.Tensor], batch: Any) -> torch.Tensor:
@@ -115,7 +88,9 @@ class AutoBatch:
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         while True:
-            base = self._reset()
+            base = memory.start_peak(self.device)
+            if base is None:
+                raise RuntimeError("AutoBatch needs /proc/self/clear_refs to measure peak memory")
             try:
                 loss = self._run(fn, batch, n)
             except Exception as e:
@@ -126,7 +101,7 @@ class AutoBatch:
                 if cuda_rng is not None:
                     torch.cuda.set_rng_state_all(cuda_rng)
                 continue
-            self._measured(self._peak(), base)
+            self._measured(memory.peak(self.device), base)
             self.steps += 1
             return loss
 

@@ -303,15 +303,6 @@ def _check_dir(directory: str) -> None:
         raise BenchError(f"--dir {directory}: not a directory")
 
 
-def _striped_share(size: int, k: int, i: int) -> int:
-    """Bytes of file ``i`` when ``size`` bytes are striped over ``k`` files (as
-    ``StripedFile.file_size``; one file takes ``size`` as it is)."""
-    if k == 1:
-        return size
-    stripes = -(-size // swap.STRIPE)
-    return (stripes // k + (1 if i < stripes % k else 0)) * swap.STRIPE
-
-
 def _check_space(directories: list[str], size: int, procs: int, aggregate: bool) -> None:
     """Each device must hold the most that is on it at one time: the sweep's scratch file, then
     (aggregate) ``procs`` files of ``size`` in the first directory, then ``procs`` striped files
@@ -322,7 +313,7 @@ def _check_space(directories: list[str], size: int, procs: int, aggregate: bool)
         phases.append({devices[0]: procs * size})
         striped: dict[int, int] = collections.Counter()
         for i, dev in enumerate(devices):
-            striped[dev] += procs * _striped_share(size, len(directories), i)
+            striped[dev] += procs * aio.stripe_share(size, len(directories), i, swap.STRIPE)
         phases.append(striped)
     first: dict[int, str] = {}
     for dev, directory in zip(devices, directories):
@@ -396,6 +387,20 @@ def _agg_run(rank: int, barrier: Any, task: dict[str, Any]) -> dict[str, Any]:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+
+def disk_gbps(directories: str | list[str], size: int = 256 * MiB,
+              io: IOConfig | None = None) -> tuple[float, float]:
+    """(read, write) GB/s of one process through ``directories`` (striped as the swap space
+    stripes them), measured as the aggregate rows are: writes on a second pass up to the fsync,
+    reads cold where the page cache can be dropped."""
+    dirs = [os.fspath(directories)] if isinstance(directories, (str, os.PathLike)) \
+        else [os.fspath(d) for d in directories]
+    task = {"dirs": dirs, "direct": [True] * len(dirs), "size": size,
+            "io": (io or IOConfig()).to_dict(), "tag": str(os.getpid())}
+    out = _agg_run(0, threading.Barrier(1), task)
+    (rs, re_, rb), (ws, we, wb) = out["read"], out["write"]
+    return rb / (re_ - rs) / 1e9, wb / (we - ws) / 1e9
 
 
 def _agg_worker(rank: int, barrier: Any, tasks: Any, results: Any) -> None:

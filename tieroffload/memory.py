@@ -6,6 +6,7 @@ import ctypes
 import os
 
 import psutil
+import torch
 
 
 def _status() -> dict[str, int]:
@@ -56,3 +57,31 @@ def return_freed_memory() -> None:
         libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass
+
+
+def ram_limit() -> int:
+    """Bytes of RAM this process may use: the machine's, or its cgroup's limit where lower."""
+    total = psutil.virtual_memory().total
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            v = f.read().strip()
+        return total if v == "max" else min(total, int(v))
+    except (OSError, ValueError):
+        return total
+
+
+def start_peak(device: torch.device) -> int | None:
+    """Starts a new peak of the memory budgets are checked against on ``device`` (allocated on
+    CUDA, the process's RSS on the CPU) and returns what is in use now; None where the peak
+    cannot be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    return rss() if reset_peak_rss() else None
+
+
+def peak(device: torch.device) -> int:
+    """The peak since ``start_peak(device)``."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return peak_rss()

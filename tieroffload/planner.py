@@ -1,11 +1,11 @@
 """``Policy.auto``: a cost model of a training step fed by measured figures, and the search over
 placements that it makes cheap.
 
-The figures: the disk's read and write GB/s (from ``tieroffload-bench nvme --json`` or a quick
-measurement), the CPU's cost of touching a byte (a copy into fresh pages: staging copies and page
-faults are what NVMe traffic costs the CPU), host-to-device GB/s where a GPU is present, and the
-model's own compute (forward and backward per module, the optimizer's update rate, the bytes
-saved for backward) measured on a sample step.
+The figures: the disk's read and write GB/s (from ``tieroffload-bench nvme --json`` or
+``bench.disk_gbps``), what NVMe traffic costs the compute (``io_cost``), host-to-device GB/s
+where a GPU is present, and the model's own compute (forward and backward per module, the
+optimizer's update rate, the bytes saved for backward, the step's peak) measured on a sample
+step.
 
 The model: a step is three phases (forward, backward, optimizer step). In each, transfers are
 prefetched, so a phase takes the longer of its compute (plus the CPU time its transfers cost) and
@@ -27,11 +27,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import psutil
 import torch
 from torch import nn
 
 from . import aio, memory
+from .bench import disk_gbps
 from .policy import IOConfig, Policy
 from .sizes import format_bytes, parse_bytes
 
@@ -61,9 +61,9 @@ class Machine:
                 bench: dict | str | os.PathLike | None = None, size: int = 256 << 20) -> Machine:
         """Reads disk figures from a bench result (its dict or JSON file) or measures them in
         ``nvme_dir`` (``size`` bytes, O_DIRECT, cold reads where allowed); measures the rest.
-        Several directories (striped) on different devices add their bandwidths (on one
-        device, they share it); the ranks of one node
-        (``LOCAL_WORLD_SIZE``) share them, so each rank counts its share."""
+        Several directories are measured striped, as the swap space stripes them (on one
+        device they share its bandwidth); the ranks of one node (``LOCAL_WORLD_SIZE``) share
+        the drives, so each rank counts its share."""
         dirs = [] if nvme_dir is None else [os.fspath(d) for d in nvme_dir] \
             if isinstance(nvme_dir, (list, tuple)) else [os.fspath(nvme_dir)]
         nvme_dir = dirs[0] if dirs else None
@@ -79,10 +79,7 @@ class Machine:
                 cost = io_cost(nvme_dir, io)
         elif nvme_dir is not None:
             io = IOConfig()
-            # Directories on one device share its bandwidth: measure one of each device.
-            devices = {os.stat(d).st_dev: d for d in reversed(dirs)}
-            figures = [disk_gbps(d, size, io) for d in devices.values()]
-            read, write = sum(f[0] for f in figures), sum(f[1] for f in figures)
+            read, write = disk_gbps(dirs, size, io)
             cost = io_cost(nvme_dir, io)
         else:  # no NVMe tier: its figures are never used
             io, read, write = IOConfig(), math.nan, math.nan
@@ -92,52 +89,7 @@ class Machine:
         if torch.cuda.is_available():
             gpu = torch.cuda.get_device_properties(0).total_memory
             h2d = _h2d_gbps()
-        return cls(read, write, cost, io, h2d, _ram(), gpu)
-
-
-def _ram() -> int:
-    total = psutil.virtual_memory().total
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            v = f.read().strip()
-        return total if v == "max" else min(total, int(v))
-    except (OSError, ValueError):
-        return total
-
-
-def disk_gbps(directory: str, nbytes: int = 256 << 20,
-              io: IOConfig | None = None) -> tuple[float, float]:
-    """(read, write) GB/s of ``directory`` in 64 MiB requests. Writes are timed on a second pass
-    (the first into fresh space also converts unwritten extents, which a swap space pays once);
-    reads are cold where the page cache can be dropped."""
-    path = os.path.join(directory, f"tieroffload-disk-{os.getpid()}.bin")
-    chunk = min(64 << 20, nbytes)
-    nbytes = nbytes // chunk * chunk
-    bufs = [aio.aligned_empty(chunk, pin=False) for _ in range(4)]
-    for b in bufs:
-        b.fill_(7)
-    io = io or IOConfig()
-    try:
-        with io.engine() as eng, aio.open(path, "w+", engine=eng) as f:
-            f.allocate(nbytes)
-            for _ in range(2):
-                t0 = time.perf_counter()
-                futs = [f.pwrite(bufs[i % 4], off)
-                        for i, off in enumerate(range(0, nbytes, chunk))]
-                for fut in futs:
-                    fut.result()
-                f.sync()
-                t1 = time.perf_counter()
-            memory.drop_page_cache()
-            t1b = time.perf_counter()
-            futs = [f.pread(bufs[i % 4], off) for i, off in enumerate(range(0, nbytes, chunk))]
-            for fut in futs:
-                fut.result()
-            t2 = time.perf_counter()
-    finally:
-        if os.path.exists(path):
-            os.remove(path)
-    return nbytes / (t2 - t1b) / 1e9, nbytes / (t1 - t0) / 1e9
+        return cls(read, write, cost, io, h2d, memory.ram_limit(), gpu)
 
 
 def io_cost(directory: str, io: IOConfig | None = None, chunk: int = 16 << 20,
@@ -256,8 +208,7 @@ class Profile:
         try:
             for i in range(1 + repeats):
                 model.zero_grad(set_to_none=True)
-                before = memory.rss()
-                measured_peak = memory.reset_peak_rss()
+                before = memory.start_peak(torch.device("cpu"))
                 t0 = time.perf_counter()
                 if i == 0:
                     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -270,8 +221,8 @@ class Profile:
                 if i:
                     fwd.append(t1 - t0)
                     bwd.append(t2 - t1)
-                if measured_peak and i == repeats:
-                    step_peak = memory.peak_rss() - before
+                if before is not None and i == repeats:
+                    step_peak = memory.peak(torch.device("cpu")) - before
         finally:
             for h in hooks:
                 h.remove()
@@ -592,11 +543,10 @@ def measure(build: Callable[[], nn.Module], sample: Sample, policy: Policy, step
     from .optimizer import optimizer
 
     memory.return_freed_memory()
-    cuda = policy.compute_device().type == "cuda"
-    base = torch.cuda.memory_allocated() if cuda else memory.rss()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    elif not memory.reset_peak_rss():
+    device = policy.compute_device()
+    cuda = device.type == "cuda"
+    base = memory.start_peak(device)
+    if base is None:
         raise RuntimeError("measuring peak memory needs /proc/self/clear_refs")
     model = offload(build(), policy)
     opt = optimizer(model, torch.optim.AdamW, lr=lr)
@@ -616,7 +566,7 @@ def measure(build: Callable[[], nn.Module], sample: Sample, policy: Policy, step
                 times.append(time.perf_counter() - t0)
             losses.append(loss.item())
         st = stats(model)
-        peak = (torch.cuda.max_memory_allocated() if cuda else memory.peak_rss()) - base
+        peak = memory.peak(device) - base
     finally:
         close(model, restore=False)
     moved = [sum(st[k].values()) - sum(st0[k].values()) for k in ("bytes_read", "bytes_written")]

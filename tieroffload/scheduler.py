@@ -40,7 +40,7 @@ class Scheduler:
         self.clock = 0
         self.adapt = adapt
         self.iteration = 0
-        self._seen = (0, 0, 0)  # (late, wasted, iterations) at the last adaptation
+        self._seen = (0, 0)  # (late, wasted) at the last adaptation
         self._prefetched: set[int] = set()  # fetched ahead, not used yet
         stats.prefetch = self.prefetch_bytes if self.prefetch_bytes is not None \
             else self.prefetch_units
@@ -65,7 +65,7 @@ class Scheduler:
         """Deepens the prefetch after an iteration with late units if the budget has room for
         one more unit; makes it shallower when prefetched units were evicted unused."""
         late, wasted = self.stats.late - self._seen[0], self.stats.wasted - self._seen[1]
-        self._seen = (self.stats.late, self.stats.wasted, self.iteration)
+        self._seen = (self.stats.late, self.stats.wasted)
         avg = max(1, sum(u.nbytes for u in self.units) // max(len(self.units), 1))
         in_use = 2 * max(u.nbytes for u in self.units)  # what the module computing holds
         units, nbytes = self.prefetch_units, self.prefetch_bytes

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -387,7 +387,8 @@ class Mover:
         self._staging.clear()
 
 
-def timed_wait(ticket: Ticket, stats: Stats) -> None:
+def timed_wait(ticket: Ticket, stats: Any) -> None:
+    """Waits on ``ticket``, adding the time to ``stats.wait_s``."""
     t0 = time.perf_counter()
     ticket.wait()
     stats.wait_s += time.perf_counter() - t0
