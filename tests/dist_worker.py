@@ -2,6 +2,9 @@
 a small GPT with parameters and AdamW state on NVMe and writes the losses as JSON.
 
     torchrun --nproc_per_node 2 tests/dist_worker.py --mode ddp --dir D --out losses.json
+
+``--mode fsdp`` shards each block and the root with FSDP2's ``fully_shard`` (the model's width
+is odd, so some shards are padded), and tieroffload pages each rank's shards.
 """
 
 import argparse
@@ -11,6 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import tieroffload
@@ -22,27 +26,38 @@ VOCAB, SEQ, BATCH = 97, 16, 8  # BATCH: the global batch, split over the ranks
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["single", "ddp"], required=True)
+    ap.add_argument("--mode", choices=["single", "ddp", "fsdp"], required=True)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--save-at", type=int, default=0, help="checkpoint after this many steps")
     ap.add_argument("--resume", default=None, help="checkpoint to start from")
     ap.add_argument("--ckpt", default=None)
+    ap.add_argument("--plain", action="store_true", help="without tieroffload")
     args = ap.parse_args()
     rank, world = 0, 1
-    if args.mode == "ddp":
+    if args.mode != "single":
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = GPT(VOCAB, 32, 2, 4, SEQ)
-    # DDP first: it broadcasts the parameters, which must still be resident; then offload the
-    # module inside it.
-    wrapped = DistributedDataParallel(model) if args.mode == "ddp" else model
-    tieroffload.offload(model, Policy(params="nvme", optimizer="nvme", nvme_dir=args.dir,
-                                      device="cpu", cpu_budget=64 << 10))
-    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=3e-3)
-    swap = model._tieroffload.swap.path
+    model = GPT(VOCAB, 36, 2, 4, SEQ)
+    wrapped = model
+    if args.mode == "ddp":
+        # DDP first: it broadcasts the parameters, which must still be resident; then offload
+        # the module inside it.
+        wrapped = DistributedDataParallel(model)
+    elif args.mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    if args.plain:  # the framework alone, for comparison
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    else:
+        tieroffload.offload(model, Policy(params="nvme", optimizer="nvme", nvme_dir=args.dir,
+                                          device="cpu", cpu_budget=64 << 10))
+        opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=3e-3)
     start = 0
     if args.resume:
         start = tieroffload.load_checkpoint(args.resume, model, opt)["step"]
@@ -61,15 +76,25 @@ def main() -> None:
         losses.append(total.item() / world)
         if step + 1 == args.save_at:
             tieroffload.save_checkpoint(args.ckpt, model, opt, extra={"step": step + 1})
-    swaps = [None] * world
+    # every rank takes part in gathering FSDP's shards into whole tensors
+    final = {k: v.full_tensor() if isinstance(v, DTensor) else v
+             for k, v in model.state_dict().items()}
+    mine = {"swap": None, "read": 0, "peak": 0, "budget": 0}
+    if not args.plain:
+        st = tieroffload.stats(model)
+        mine = {"swap": model._tieroffload.swap.path, "read": st["bytes_read"]["nvme"],
+                "peak": st["peak_resident"], "budget": st["budget"]}
+    ranks = [mine]
     if world > 1:
-        dist.all_gather_object(swaps, swap)
-    else:
-        swaps = [swap]
+        ranks = [None] * world
+        dist.all_gather_object(ranks, mine)
     if rank == 0:
+        torch.save(final, args.out + ".pt")
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "swaps": swaps}, f)
-    tieroffload.close(model, restore=False)
+            json.dump({"losses": losses, "swaps": [r["swap"] for r in ranks], "ranks": ranks},
+                      f)
+    if not args.plain:
+        tieroffload.close(model, restore=False)
     if world > 1:
         dist.destroy_process_group()
     os.sys.stdout.flush()

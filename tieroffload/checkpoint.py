@@ -245,15 +245,17 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         saved = torch.load(os.path.join(path, "extra.pt"), weights_only=False)
     except Exception as e:
         raise CheckpointError(f"checkpoint {path}: extra.pt is unreadable: {e}") from e
-    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        kind = "param" if isinstance(p, nn.Parameter) else "buffer"
+    state = getattr(model, "_tieroffload", None)
+    params = ([(n, p) for u in state.units for n, p in zip(u.names, u.params)]
+              if state is not None else list(model.named_parameters()))
+    for kind, name, p in ([("param", n, p) for n, p in params]
+                          + [("buffer", n, b) for n, b in model.named_buffers()]):
         e = entries.get(f"{kind}/{name}")
         if e is None:
             raise CheckpointError(f"checkpoint {path} has no {kind} {name!r}")
         if e["shape"] != list(p.shape) or e["dtype"] != str(p.dtype).removeprefix("torch."):
             raise CheckpointError(f"checkpoint {path}: {name} is {e['dtype']}{e['shape']}, the "
                                   f"model has {p.dtype}{list(p.shape)}")
-    state = getattr(model, "_tieroffload", None)
     with open(os.path.join(path, "tensors.bin"), "rb") as f:
         def fill(t: torch.Tensor, key: str) -> None:
             e = entries[key]

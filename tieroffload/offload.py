@@ -24,7 +24,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils._pytree import tree_flatten
 
-from . import memory
+from . import fsdp, memory
 from .activations import ActivationPager
 from .grads import GradPager
 from .policy import Policy
@@ -77,15 +77,22 @@ class OffloadState:
         self.mover: Mover | None = None
         self.activations: ActivationPager | None = None
         self.autobatch: Any = None  # an AutoBatch over this model reports in stats()
+        self._fsdp_ids: set[int] = set()
+        self.shards: list[fsdp.Shard] = []  # FSDP's local shards, when the model is sharded
+        self._undo: list[Callable[[], None]] = []  # FSDP methods wrapped by us
 
         if policy.params == "gpu" and self.device.type != "cuda":
             raise ValueError('params="gpu" needs a CUDA compute device; this one is '
                              f"{self.device}")
         self.offloaded = policy.params == "nvme" or (policy.params == "cpu"
                                                      and self.device.type == "cuda")
+        fsdp_groups = self._fsdp_groups(model)
         self._uninitialized = self._materialize_meta(model)
         self.units, self.module_units = self._build_units(model)
+        self.fsdp_units = self._build_fsdp_units(model, fsdp_groups)
         self.param_unit = {id(s.param): u for u in self.units for s in u.segments}
+        self.param_unit.update({id(s.public): self.param_unit[id(s.local)] for s in self.shards})
+        self._local = {id(s.public): s.local for s in self.shards}
         largest = max(self.units, key=lambda u: u.nbytes, default=None)
         self.budget = self._check_budget(largest)
         self._add_descendants(model)
@@ -162,13 +169,43 @@ class OffloadState:
         self._handles.append(model.register_forward_hook(
             lambda m, a, o: pager.end(), always_call=True))
 
+    def _fsdp_groups(self, model: nn.Module) -> list[tuple[str, Any]]:
+        """FSDP2's parameter groups, initialised as its first forward would; their DTensor
+        parameters are paged as local shards, not as parameters of their modules."""
+        groups = list(fsdp.groups(model))
+        if not groups:
+            return []
+        policy = self.policy
+        if policy.grads == "nvme" or policy.activations is not None:
+            raise NotImplementedError(
+                "with FSDP2 (fully_shard) tieroffload pages parameter shards and optimizer "
+                f"state; grads={policy.grads!r} and activations={policy.activations!r} are not "
+                'supported: keep gradients on the compute device and activations=None')
+        fsdp.lazy_init(model)
+        self._fsdp_ids = {id(fp.sharded_param) for _, g in groups for fp in g.fsdp_params}
+        return groups
+
+    def _build_fsdp_units(self, model: nn.Module,
+                          groups: list[tuple[str, Any]]) -> list[tuple[Any, Unit]]:
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        out = []
+        for mname, g in groups:
+            shards = fsdp.shards(g, names)
+            unit = Unit(len(self.units), f"{mname or '<root>'} (FSDP shards)",
+                        [(s.name, s.local) for s in shards], sizes=[s.nbytes for s in shards],
+                        on_rebind=lambda shards=shards: [s.rebind() for s in shards])
+            self.units.append(unit)
+            self.shards += shards
+            out.append((g, unit))
+        return out
+
     def _materialize_meta(self, model: nn.Module) -> set[int]:
         """Parameters built on the meta device get real ones on the compute device, with no
         memory yet (storage of size 0); ties are kept. Returns their ids: not loaded yet."""
         new: dict[int, nn.Parameter] = {}
         for module in model.modules():
             for name, p in module._parameters.items():
-                if p is None or p.device.type != "meta":
+                if p is None or p.device.type != "meta" or id(p) in self._fsdp_ids:
                     continue
                 if id(p) not in new:
                     t = torch.empty(p.shape, dtype=p.dtype, device=self.device)
@@ -185,7 +222,7 @@ class OffloadState:
             own: list[tuple[str, nn.Parameter]] = []
             used: list[Unit] = []
             for pname, p in module._parameters.items():
-                if p is None:
+                if p is None or id(p) in self._fsdp_ids:
                     continue
                 if id(p) in owner:
                     if owner[id(p)] not in used:
@@ -217,6 +254,10 @@ class OffloadState:
             if sum(u.nbytes for u in units + extra) <= self.budget:
                 units += extra
 
+    def _resident_sets(self) -> list[list[Unit]]:
+        """The sets of units that must be resident at once: a module's, or an FSDP group's."""
+        return list(self.module_units.values()) + [[u] for _, u in self.fsdp_units]
+
     def _check_budget(self, largest: Unit | None) -> int:
         p = self.policy
         budget = p.gpu_budget if self.device.type == "cuda" else p.cpu_budget
@@ -225,10 +266,10 @@ class OffloadState:
         if budget is None:
             units, nbytes = p.prefetch_window()
             window = nbytes if nbytes is not None else min(units, len(self.units)) * largest.nbytes
-            needs = (sum(u.nbytes for u in us) for us in self.module_units.values())
+            needs = (sum(u.nbytes for u in us) for us in self._resident_sets())
             budget = window + 2 * max(needs)
         name = "gpu_budget" if self.device.type == "cuda" else "cpu_budget"
-        for us in self.module_units.values():
+        for us in self._resident_sets():
             need = sum(u.nbytes for u in us)
             if need > budget:
                 mname = ", ".join(u.name for u in us)
@@ -253,6 +294,8 @@ class OffloadState:
             u.home = NvmeHome(self.swap, u.nbytes) if self.swap else RamHome(u.nbytes, pin)
             if self.swap is not None and self.device.type == "cpu":
                 u.adopt_flat(self.swap.align)
+            if u.on_rebind is not None:
+                u.on_rebind()
             if meta:
                 u.initialized = False
             else:
@@ -269,10 +312,21 @@ class OffloadState:
             h.append(module.register_state_dict_post_hook(self._state_dict_post()))
             h.append(module.register_load_state_dict_pre_hook(self._load_pre(units)))
             h.append(module.register_load_state_dict_post_hook(self._load_post(units)))
+        fsdp_units = {u.id for _, u in self.fsdp_units}
         for u in self.units:
             for p in u.params:
-                if p.requires_grad:
+                if p.requires_grad and u.id not in fsdp_units:
                     h.append(p.register_post_accumulate_grad_hook(self._grad_done(u)))
+        for group, u in self.fsdp_units:
+            self._undo.append(fsdp.hook(group, lambda u=u: self.scheduler.acquire([u]),
+                                        lambda u=u: self.scheduler.release([u])))
+        owners = {fp._module_info.module for g, _ in self.fsdp_units for fp in g.fsdp_params}
+        for module in owners:  # the modules that hold the DTensors: their state dicts
+            units = list(dict.fromkeys(self.param_unit[id(p)] for p in module._parameters.values()
+                                       if p is not None and id(p) in self.param_unit))
+            h.append(module.register_state_dict_post_hook(self._state_dict_post()))
+            h.append(module.register_load_state_dict_pre_hook(self._load_pre(units)))
+            h.append(module.register_load_state_dict_post_hook(self._load_post(units)))
 
     # -- forward and backward ------------------------------------------------------------------
 
@@ -371,6 +425,11 @@ class OffloadState:
         self.scheduler.release(units)
         self.scheduler.trim()
 
+    def local(self, p: torch.Tensor) -> torch.Tensor:
+        """What an optimizer steps for parameter ``p``: its local shard for an FSDP DTensor
+        parameter, else ``p`` itself."""
+        return self._local.get(id(p), p)
+
     # -- state dicts ---------------------------------------------------------------------------
 
     def _state_dict_post(self) -> Callable:
@@ -430,6 +489,9 @@ class OffloadState:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for undo in self._undo:
+            undo()
+        self._undo.clear()
         if self.mover is not None:
             self.mover.close()
             self.mover = None

@@ -102,8 +102,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 {"fused", "foreach", "differentiable"} & set(kwargs)):
             kwargs["fused"] = True
         probe = opt_cls([nn.Parameter(torch.zeros(1, device=self.offload.device))], **kwargs)
-        super().__init__(list(model.parameters()) if params is None else params,
-                         dict(probe.defaults))
+        super().__init__(self._local_params(model, params), dict(probe.defaults))
         self.opt_cls, self.kwargs = opt_cls, kwargs
         self.swap: SwapSpace | None = None
         self.mover = self.offload.mover
@@ -126,6 +125,20 @@ class PagedOptimizer(torch.optim.Optimizer):
                        else LossScale(float(loss_scale), dynamic=False))
         _live.add(self)
         self.offload.optimizers.add(self)
+
+    def _local_params(self, model: nn.Module, params: list | None) -> list:
+        """The parameters (or param groups) to step, with FSDP's DTensor parameters replaced
+        by their local shards."""
+        local = self.offload.local
+        out: list = []
+        for x in list(model.parameters()) if params is None else params:
+            if isinstance(x, dict):
+                ps = x["params"]
+                ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+                out.append({**x, "params": [local(p) for p in ps]})
+            else:
+                out.append(local(x))
+        return out
 
     def close(self) -> None:
         """Deletes the swap space this optimizer made (the state in it is lost)."""
@@ -251,6 +264,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for shard in self.offload.shards:
+            shard.pull_grad()
         chunks = self.chunks
         scale = self.scaler.scale if self.scaler is not None else None
         if scale is not None and self._overflow():
@@ -258,22 +273,29 @@ class PagedOptimizer(torch.optim.Optimizer):
             for chunk in chunks:
                 self._consume_grads(chunk)
             return loss
+        sched = self.offload.scheduler if self.offload.mover is not None else None
         for i, chunk in enumerate(chunks):
             if i == 0:
                 self._page_in(chunk)
             self._wait(chunk)
-            if i + 1 < len(chunks):
-                nxt = chunks[i + 1]
-                self._wait(nxt)  # its previous store, if any, is done
-                self._page_in(nxt)
+            if sched is not None:  # held while the next chunk is prefetched: it must stay
+                sched.acquire(chunk.units, force=True, record=False)
+            try:
+                if i + 1 < len(chunks):
+                    nxt = chunks[i + 1]
+                    self._wait(nxt)  # its previous store, if any, is done
+                    self._page_in(nxt)
+                    if self.offload.grads is not None:
+                        self.offload.grads.start_bring_in(nxt.units)
+                    if sched is not None:
+                        sched.prefetch(nxt.units)
+                self._sync_groups(chunk)
                 if self.offload.grads is not None:
-                    self.offload.grads.start_bring_in(nxt.units)
-                if self.offload.mover is not None:
-                    self.offload.scheduler.prefetch(nxt.units)
-            self._sync_groups(chunk)
-            if self.offload.grads is not None:
-                self.offload.grads.bring_in(chunk.units)
-            self._step_chunk(chunk, scale)
+                    self.offload.grads.bring_in(chunk.units)
+                self._step_chunk(chunk, scale)
+            finally:
+                if sched is not None:
+                    sched.release(chunk.units)
             self._consume_grads(chunk)
             if i > 0:
                 self._wait(chunks[i - 1])
@@ -328,6 +350,8 @@ class PagedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.offload.grads is not None:
             self.offload.grads.clear()
+        for shard in self.offload.shards:
+            shard.clear_grad(set_to_none)
         for chunk in self.chunks:
             chunk.inner.zero_grad(set_to_none)
             for i in chunk.masters:  # the fp16/bf16 parameters' own gradients

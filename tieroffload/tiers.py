@@ -30,14 +30,21 @@ class State(enum.Enum):
 
 @dataclass
 class Segment:
-    """One parameter inside a unit: bytes [start, end) of the unit, and its resident bytes."""
+    """One parameter inside a unit: bytes [start, end) of the unit, and its resident bytes.
+    The storage may hold more than the parameter's elements (an FSDP shard's padding): the
+    segment covers the storage from the parameter's first byte."""
 
     param: torch.nn.Parameter
     start: int
     end: int
 
     def view(self) -> torch.Tensor:
-        return self.param.data.view(-1).view(torch.uint8)
+        p = self.param.data
+        flat = p.view(-1).view(torch.uint8)
+        if flat.numel() == self.end - self.start:
+            return flat
+        return flat.new_empty(0).set_(p.untyped_storage(), p.storage_offset() * p.element_size(),
+                                      (self.end - self.start,))
 
 
 @dataclass
@@ -206,14 +213,20 @@ class NvmeHome(Home):
 class Unit:
     """The parameters that one module owns, moved and accounted together."""
 
-    def __init__(self, uid: int, name: str, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+    def __init__(self, uid: int, name: str, params: list[tuple[str, torch.nn.Parameter]],
+                 sizes: list[int] | None = None,
+                 on_rebind: Callable[[], None] | None = None) -> None:
+        """``sizes``: bytes each parameter's storage holds, where that is more than its
+        elements (FSDP's padded shards). ``on_rebind``: called after the parameters were moved
+        into new storage, for tensors that must follow them (FSDP's own views of its shards)."""
         self.id = uid
         self.name = name
         self.names = [n for n, _ in params]
+        self.on_rebind = on_rebind
         self.segments: list[Segment] = []
         pos = 0
-        for _, p in params:
-            n = p.numel() * p.element_size()
+        for i, (_, p) in enumerate(params):
+            n = sizes[i] if sizes is not None else p.numel() * p.element_size()
             self.segments.append(Segment(p, pos, pos + n))
             pos = -(-(pos + n) // 64) * 64  # every parameter starts 64-byte aligned
         self.nbytes = self.segments[-1].end if self.segments else 0
@@ -238,8 +251,9 @@ class Unit:
         self.flat = aio.aligned_empty(padded, pin=False)
         for s in self.segments:
             p = s.param
-            dst = self.flat[s.start:s.end]
-            if p.untyped_storage().nbytes() >= s.end - s.start:
+            n = p.numel() * p.element_size()
+            dst = self.flat[s.start:s.start + n]
+            if p.untyped_storage().nbytes() >= n:
                 dst.copy_(p.data.reshape(-1).view(torch.uint8))
             p.data = dst.view(p.dtype).view(p.shape)
 
