@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--resume", default=None, help="checkpoint to start from")
     ap.add_argument("--ckpt", default=None)
     ap.add_argument("--plain", action="store_true", help="without tieroffload")
+    ap.add_argument("--grads", default=None, help="Policy(grads=...)")
     args = ap.parse_args()
     rank, world = 0, 1
     if args.mode != "single":
@@ -55,8 +56,9 @@ def main() -> None:
     if args.plain:  # the framework alone, for comparison
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
     else:
-        tieroffload.offload(model, Policy(params="nvme", optimizer="nvme", nvme_dir=args.dir,
-                                          device="cpu", cpu_budget=64 << 10))
+        tieroffload.offload(model, Policy(params="nvme", optimizer="nvme", grads=args.grads,
+                                          nvme_dir=args.dir, device="cpu",
+                                          cpu_budget=64 << 10))
         opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=3e-3)
     start = 0
     if args.resume:

@@ -85,13 +85,15 @@ def torchrun(tmp_path: Path, name: str, *args: str, mode: str = "ddp") -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The single-process reference; for DDP and for FSDP2, two ranks that save after 5
-    steps and two fresh ones that resume from that checkpoint; FSDP2 alone."""
+    steps and two fresh ones that resume from that checkpoint; FSDP2 alone; DDP with gradients
+    on NVMe."""
     tmp = tmp_path_factory.mktemp("dist")
     nvme = tmp / "nvme"
     nvme.mkdir()
     d = ("--dir", str(nvme))
     out = {"single": torchrun(tmp, "single", *d, mode="single"),
-           "fsdp-plain": torchrun(tmp, "fsdp-plain", *d, "--plain", mode="fsdp")}
+           "fsdp-plain": torchrun(tmp, "fsdp-plain", *d, "--plain", mode="fsdp"),
+           "ddp-grads": torchrun(tmp, "ddp-grads", *d, "--grads", "nvme", mode="ddp")}
     for mode in ("ddp", "fsdp"):
         ckpt = str(tmp / f"ckpt-{mode}")
         out[mode] = torchrun(tmp, mode, *d, "--save-at", "5", "--ckpt", ckpt, mode=mode)
@@ -102,8 +104,9 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "ddp-grads"])
 def test_two_ranks_match_one_process(runs, mode):
+    """ddp-grads: gradients paged to NVMe too, after DDP has reduced them."""
     single, ranks = runs["single"], runs[mode]
     assert len(single["losses"]) == len(ranks["losses"]) == 10
     assert single["losses"][-1] < single["losses"][0]  # it learns

@@ -70,6 +70,8 @@ class OffloadState:
         self._bwd_callback_queued = False
         self._opt_pins: dict[int, list[Unit]] = {}
         self._grads_seen: dict[int, int] = {}
+        self._deferred: list[Unit] = []  # units whose gradients wait for the end of backward
+        self._defer_grads = False
         self.swap: SwapSpace | None = None
         self.grads: GradPager | None = None
         self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # paged ones, closed with us
@@ -140,10 +142,9 @@ class OffloadState:
                                    prefetch_bytes, self.stats, policy.adapt)
         self.grads = (GradPager(self.units, self.swap, self.mover, self.stats)
                       if policy.grads == "nvme" else None)
-        if self.grads is not None and _world_size() > 1:
-            log.warning('grads="nvme" pages each unit\'s gradients during backward, before DDP '
-                        "or an all-reduce after backward could reduce them; with several ranks "
-                        "keep gradients on the compute device (the default)")
+        # With several ranks, DDP reduces the gradients in a callback at the end of backward:
+        # they are paged once backward is over, after it (see _end_backward).
+        self._defer_grads = self.grads is not None and _world_size() > 1
         self._move_home()
 
     def _setup_activations(self, model: nn.Module, io_delay: Callable[[], None] | None) -> None:
@@ -382,7 +383,10 @@ class OffloadState:
     def _grads_ready(self, u: Unit) -> None:
         self.scheduler.release([u] * self._bwd_pins.pop(u.id, 0))
         if self.grads is not None:
-            self.grads.page_out(u)
+            if self._defer_grads:
+                self._deferred.append(u)
+            else:
+                self.grads.page_out(u)
 
     def _end_backward(self) -> None:
         self._bwd_callback_queued = False
@@ -393,6 +397,15 @@ class OffloadState:
         for uid, n in self._bwd_pins.items():
             self.scheduler.release([self.units[uid]] * n)
         self._bwd_pins.clear()
+        if self._deferred:
+            # Queued from a callback, this runs after every callback queued during backward,
+            # DDP's (which writes the reduced gradients) included.
+            torch.autograd.Variable._execution_engine.queue_callback(self._page_deferred)
+
+    def _page_deferred(self) -> None:
+        units, self._deferred = self._deferred, []
+        for u in units:
+            self.grads.page_out(u)
 
     # -- optimizer step ------------------------------------------------------------------------
 
