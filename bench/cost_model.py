@@ -85,9 +85,12 @@ def main() -> None:
                             and p.activations is None)
             budget = resident // 2
             auto = Policy.auto(build(), sample=sample, cpu_budget=budget, nvme_dir=d,
-                               machine=machine, profile=prof, device="cpu")
+                               machine=machine, profile=prof, device="cpu", build=build)
             got = measure(build, sample, auto, steps=args.steps)
             fits = [(me.step_s, p) for p, _, me in rows if me.peak <= budget]
+            for q, m in auto.plan.trials:
+                print(f"  auto measured {name_of(q)}: {m.step_s:.2f} s, peak "
+                      f"{format_bytes(m.peak)}")
             print(f"Policy.auto under {format_bytes(budget)}: {name_of(auto)}; predicted "
                   f"{auto.plan.prediction.step_s:.2f} s, measured {got.step_s:.2f} s, peak "
                   f"{format_bytes(got.peak)}")

@@ -93,6 +93,24 @@ def test_auto_is_faster_than_all_on_nvme_where_the_budget_allows(machine, profil
     assert "predicted step" in text and "bottleneck" in text and "all on NVMe" in text
 
 
+def test_auto_measures_its_best_predicted_placements(machine, profiles, tmp_path):
+    """With build=, the best-predicted placements are measured; the fastest that fits wins."""
+    build, sample = shape("deep")
+    prof = profiles["deep"]
+    resident = predict(Policy(device="cpu"), prof, machine).peak["cpu"]
+    budget = resident // 2
+    pol = Policy.auto(build(), sample=sample, cpu_budget=budget, nvme_dir=str(tmp_path),
+                      machine=machine, profile=prof, device="cpu", build=build, trials=2)
+    trials = pol.plan.trials
+    assert 2 <= len(trials) <= 4
+    placements = {(q.params, q.optimizer, q.grads, q.activations) for q, _ in trials}
+    assert len(placements) == len(trials)  # distinct placements, not prefetch variants
+    fits = [(m.step_s, q) for q, m in trials if m.peak <= budget]
+    assert fits and min(fits, key=lambda t: t[0])[1] is pol
+    assert "<- chosen" in pol.explain()
+    assert measure(build, sample, pol, steps=1).peak <= budget + OVERHEAD
+
+
 def test_predicted_step_time_is_close_to_the_measured_one(machine, tmp_path):
     build, sample = shape("deep")
     prof = Profile.measure(build(), sample)  # right before the runs it predicts

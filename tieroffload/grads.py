@@ -116,11 +116,14 @@ class GradPager:
             self.has[u.id] = [False] * len(self.has[u.id])
             self.finite.pop(u.id, None)
 
-    def clear(self) -> None:
+    def clear(self, keep: list[Unit] = ()) -> None:
+        """Forgets the stored gradients, except those of ``keep`` (a deferred step's)."""
         self.flush()
+        kept = {u.id for u in keep}
         for uid in self.has:
-            self.has[uid] = [False] * len(self.has[uid])
-        self.finite.clear()
+            if uid not in kept:
+                self.has[uid] = [False] * len(self.has[uid])
+                self.finite.pop(uid, None)
 
     def all_finite(self) -> bool:
         self.flush()

@@ -307,6 +307,7 @@ class OffloadState:
     def _install_hooks(self, model: nn.Module) -> None:
         h = self._handles
         h.append(model.register_forward_pre_hook(self._begin_iteration, prepend=True))
+        h.append(model.register_forward_hook(self._end_forward))
         for module, units in self.module_units.items():
             h.append(module.register_forward_pre_hook(self._pre_forward(units)))
             h.append(module.register_forward_hook(self._post_forward(units)))
@@ -319,7 +320,7 @@ class OffloadState:
                 if p.requires_grad and u.id not in fsdp_units:
                     h.append(p.register_post_accumulate_grad_hook(self._grad_done(u)))
         for group, u in self.fsdp_units:
-            self._undo.append(fsdp.hook(group, lambda u=u: self.scheduler.acquire([u]),
+            self._undo.append(fsdp.hook(group, lambda u=u: self._acquire([u]),
                                         lambda u=u: self.scheduler.release([u])))
         owners = {fp._module_info.module for g, _ in self.fsdp_units for fp in g.fsdp_params}
         for module in owners:  # the modules that hold the DTensors: their state dicts
@@ -334,10 +335,23 @@ class OffloadState:
     def _begin_iteration(self, module: nn.Module, args: Any) -> None:
         self.scheduler.begin_iteration()
 
+    def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.settle()  # units the forward did not use: their updates precede backward
+
     def _pre_forward(self, units: list[Unit]) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
-            self.scheduler.acquire(units)
+            self._acquire(units)
         return hook
+
+    def _acquire(self, units: list[Unit]) -> None:
+        """Brings ``units`` in for compute, after any deferred optimizer update of theirs."""
+        self.settle(units)
+        self.scheduler.acquire(units)
+
+    def settle(self, units: list[Unit] | None = None) -> None:
+        """Applies the paged optimizers' deferred updates of ``units`` (all: None)."""
+        for opt in list(self.optimizers):
+            opt.settle(units)
 
     def _post_forward(self, units: list[Unit]) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -463,6 +477,7 @@ class OffloadState:
 
     def _load_pre(self, units: list[Unit]) -> Callable:
         def hook(module: nn.Module, *args: Any) -> None:
+            self.settle(units)
             self.scheduler.acquire(units, force=True, record=False)
         return hook
 
@@ -480,6 +495,7 @@ class OffloadState:
         if self.mover is None:  # nothing is offloaded
             yield
             return
+        self.settle(units)
         self.scheduler.acquire(units, force=True, record=False)
         try:
             yield
@@ -495,6 +511,8 @@ class OffloadState:
     def close(self, restore: bool = True) -> None:
         """Removes the hooks and the swap space. With ``restore`` the parameters are made
         resident first, so the model goes on as a plain model."""
+        if restore:
+            self.settle()
         for opt in list(self.optimizers):
             opt.close()
         if restore and self.mover is not None:

@@ -87,7 +87,7 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, opt_cls: type[torch.optim.Optimizer],
                  params: Iterable | None, kwargs: dict[str, Any],
-                 loss_scale: str | float | None = "auto") -> None:
+                 loss_scale: str | float | None = "auto", overlap: bool = True) -> None:
         self.offload: OffloadState = _state(model)
         policy = self.offload.policy
         self.tier = policy.optimizer
@@ -123,6 +123,13 @@ class PagedOptimizer(torch.optim.Optimizer):
             loss_scale = "dynamic" if fp16 else None
         self.scaler = (None if loss_scale is None else LossScale() if loss_scale == "dynamic"
                        else LossScale(float(loss_scale), dynamic=False))
+        # Deferred steps (see step): only where the parameters are paged, so that nothing
+        # reads them between step() and the next use, which applies the update first.
+        self.overlap = overlap and self.offload.mover is not None
+        self._pending: dict[int, list[torch.Tensor | None] | None] = {}  # chunk -> its grads
+        self._pending_scale: float | None = None
+        self._settling = False
+        self._unit_chunk = {u.id: i for i, c in enumerate(self.chunks) for u in c.units}
         _live.add(self)
         self.offload.optimizers.add(self)
 
@@ -260,10 +267,16 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Steps every chunk; with ``overlap`` (the default where parameters are paged) each
+        chunk's update is deferred to the first use of its parameters (the next forward, a
+        state dict, a checkpoint): its state's I/O then overlaps the forward's compute instead
+        of following backward. The update is the same: its gradients and hyperparameters are
+        taken now, and ``p.grad`` is None after the step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.settle()  # what a previous step left, before new gradients are taken
         for shard in self.offload.shards:
             shard.pull_grad()
         chunks = self.chunks
@@ -273,38 +286,86 @@ class PagedOptimizer(torch.optim.Optimizer):
             for chunk in chunks:
                 self._consume_grads(chunk)
             return loss
+        for chunk in chunks:  # the hyperparameters (a scheduler's lr) of this step
+            self._sync_groups(chunk)
+        if self.overlap:
+            for i, chunk in enumerate(chunks):
+                self._pending[i] = self._take_grads(chunk)
+            for shard in self.offload.shards:
+                shard.clear_grad(set_to_none=True)  # taken with the locals' gradients
+            self._pending_scale = scale
+        else:
+            self._run(list(range(len(chunks))), scale)
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
+        return loss
+
+    def _take_grads(self, chunk: _Chunk) -> list[torch.Tensor | None] | None:
+        """The chunk's gradients, kept for its deferred update (None: they wait on NVMe)."""
+        if self.offload.grads is not None:
+            return None
+        grads = [p.grad for p in chunk.params]
+        for p in chunk.params:
+            p.grad = None
+        return grads
+
+    def settle(self, units: list[Unit] | None = None) -> None:
+        """Applies the deferred updates of the chunks that hold ``units`` (all: None)."""
+        if not self._pending or self._settling:
+            return
+        todo = (sorted(self._pending) if units is None else
+                sorted({self._unit_chunk[u.id] for u in units if u.id in self._unit_chunk}
+                       & self._pending.keys()))
+        if not todo:
+            return
+        self._settling = True
+        try:
+            with torch.no_grad():  # called from forward hooks too
+                self._run(todo, self._pending_scale)
+        finally:
+            self._settling = False
+
+    def _run(self, todo: list[int], scale: float | None) -> None:
+        """Updates chunks ``todo`` in order, pipelined: chunk i+1's state, gradients and
+        parameters come in while chunk i is updated, and chunk i-1's state goes out. After the
+        last, the next deferred chunk's state starts coming in."""
+        chunks = self.chunks
         sched = self.offload.scheduler if self.offload.mover is not None else None
-        for i, chunk in enumerate(chunks):
-            if i == 0:
+        for k, i in enumerate(todo):
+            chunk = chunks[i]
+            if k == 0:
                 self._page_in(chunk)
             self._wait(chunk)
             if sched is not None:  # held while the next chunk is prefetched: it must stay
                 sched.acquire(chunk.units, force=True, record=False)
             try:
-                if i + 1 < len(chunks):
-                    nxt = chunks[i + 1]
-                    self._wait(nxt)  # its previous store, if any, is done
-                    self._page_in(nxt)
+                nxt = chunks[todo[k + 1]] if k + 1 < len(todo) else None
+                ahead = nxt or next((chunks[j] for j in sorted(self._pending) if j > i), None)
+                if ahead is not None:
+                    self._wait(ahead)  # its previous store, if any, is done
+                    self._page_in(ahead)
                     if self.offload.grads is not None:
-                        self.offload.grads.start_bring_in(nxt.units)
-                    if sched is not None:
+                        self.offload.grads.start_bring_in(ahead.units)
+                    if sched is not None and nxt is not None:
                         sched.prefetch(nxt.units)
-                self._sync_groups(chunk)
+                grads = self._pending.pop(i, None)
+                if grads is not None:
+                    for p, g in zip(chunk.params, grads):
+                        p.grad = g
                 if self.offload.grads is not None:
                     self.offload.grads.bring_in(chunk.units)
                 self._step_chunk(chunk, scale)
+                if grads is not None:  # used up: the user's zero_grad may already have run
+                    for p in chunk.params:
+                        p.grad = None
             finally:
                 if sched is not None:
                     sched.release(chunk.units)
             self._consume_grads(chunk)
-            if i > 0:
-                self._wait(chunks[i - 1])
+            if k > 0:
+                self._wait(chunks[todo[k - 1]])
             self._page_out(chunk)
-        for chunk in chunks:
-            self._wait(chunk)
-        if self.scaler is not None:
-            self.scaler.update(overflow=False)
-        return loss
+        self._wait(chunks[todo[-1]])
 
     def _step_chunk(self, chunk: _Chunk, scale: float | None) -> None:
         for i, p in enumerate(chunk.params):
@@ -348,8 +409,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         return 0 if self.scaler is None else self.scaler.skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.offload.grads is not None:
-            self.offload.grads.clear()
+        if self.offload.grads is not None:  # deferred updates keep the gradients they took
+            self.offload.grads.clear(keep=[u for i in self._pending for u in self.chunks[i].units])
         for shard in self.offload.shards:
             shard.clear_grad(set_to_none)
         for chunk in self.chunks:
@@ -368,6 +429,7 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The torch layout ({"state", "param_groups"}), with copies of the state tensors."""
+        self.settle()
         index = self._index()
         state: dict[int, dict[str, Any]] = {}
         for chunk in self.chunks:
@@ -395,6 +457,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             g.update({k: v for k, v in saved.items() if k != "params"})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.settle()
         self.load_groups(state_dict["param_groups"])
         if self.scaler is not None and "loss_scale" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scale"])
@@ -427,7 +490,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._wait(chunk)
 
     def resident(self, chunk: _Chunk):
-        """Context: the chunk's state is in memory inside the block."""
+        """Context: the chunk's state is in memory (and up to date) inside the block."""
+        self.settle(chunk.units)
         return _Resident(self, chunk)
 
 
@@ -450,7 +514,7 @@ class _Resident:
 
 def optimizer(model: nn.Module, opt_cls: type[torch.optim.Optimizer],
               params: Iterable | None = None, *, loss_scale: str | float | None = "auto",
-              **kwargs: Any) -> PagedOptimizer:
+              overlap: bool = True, **kwargs: Any) -> PagedOptimizer:
     """A ``torch.optim.Optimizer`` over an offloaded model whose state lives in
     ``policy.optimizer`` ("cpu" or "nvme"; "gpu" with CUDA compute) and is stepped in chunks.
     ``params``: param groups as torch accepts them (default: all of the model's).
@@ -459,9 +523,10 @@ def optimizer(model: nn.Module, opt_cls: type[torch.optim.Optimizer],
     values now); the step updates the masters and writes them back rounded. ``loss_scale``:
     "auto" (dynamic when any parameter is fp16, else none), "dynamic", a fixed number, or None;
     with scaling, backward ``opt.scale_loss(loss)``, and a step whose gradients overflow is
-    skipped (``opt.skipped_steps``)."""
+    skipped (``opt.skipped_steps``). ``overlap``: defer each chunk's update to the next use of
+    its parameters (see ``PagedOptimizer.step``)."""
     if not (isinstance(opt_cls, type) and issubclass(opt_cls, torch.optim.Optimizer)):
         raise TypeError(f"opt_cls must be a torch.optim.Optimizer class, not {opt_cls!r}")
     if params is not None:
         params = list(params)
-    return PagedOptimizer(model, opt_cls, params, kwargs, loss_scale)
+    return PagedOptimizer(model, opt_cls, params, kwargs, loss_scale, overlap)

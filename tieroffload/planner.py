@@ -272,6 +272,9 @@ def predict(policy: Policy, profile: Profile, machine: Machine) -> Prediction:
     R, W = machine.read_gbps * 1e9, machine.write_gbps * 1e9
     budget = _param_budget(policy, profile)
     spill = policy.params == "nvme" and P > budget
+    # Paged parameters: the paged optimizer defers each chunk's update to the next forward,
+    # which has the parameters in memory anyway; the step's I/O overlaps the forward's compute.
+    overlap = policy.params == "nvme" or (cuda and policy.params == "cpu")
 
     # Bytes per phase: (read, written) on NVMe.
     fwd = [0, 0]
@@ -281,8 +284,7 @@ def predict(policy: Policy, profile: Profile, machine: Machine) -> Prediction:
         keep = min(P, max(0, budget - profile.largest_unit))
         fwd[0] += P                    # the step before wrote them all back
         bwd[0] += P - keep             # the last ones of forward are still resident
-        step[0] += P - keep
-        step[1] += P                   # updated parameters go home
+        step[1] += P                   # updated parameters go home (updated in forward)
     if policy.activations == "nvme":
         fwd[1] += A
         bwd[0] += A
@@ -295,9 +297,13 @@ def predict(policy: Policy, profile: Profile, machine: Machine) -> Prediction:
     phases = {}
     depth = _prefetch_units(policy, profile)
     unit = P / max(profile.units, 1)
-    for name, compute, (r, w) in (("forward", profile.forward_s, fwd),
+    fwd_s, step_s = profile.forward_s, profile.optimizer_s
+    if overlap:
+        fwd = [fwd[0] + step[0], fwd[1] + step[1]]
+        fwd_s, step_s, step = fwd_s + step_s, 0.0, [0, 0]
+    for name, compute, (r, w) in (("forward", fwd_s, fwd),
                                   ("backward", profile.backward_s, bwd),
-                                  ("step", profile.optimizer_s, step)):
+                                  ("step", step_s, step)):
         io = r / R + w / W
         cpu = 0.0 if cuda else (r + w) * machine.io_cost
         first = profile.largest_unit / R if name != "backward" and (r or w) else 0.0
@@ -396,6 +402,7 @@ class Plan:
     candidates: int
     fitting: int
     naive: Prediction | None = None
+    trials: tuple[tuple[Policy, Measured], ...] = ()  # the placements measured, if any
 
     def explain(self) -> str:
         p, pr, prof = self.policy, self.prediction, self.profile
@@ -417,7 +424,9 @@ class Plan:
                if p.params == "nvme" or (p.params == "cpu" and p.gpu_budget is not None)
                else "parameters all resident"),
             f"predicted step: {pr.step_s:.3f} s (forward {pr.phases['forward']:.3f}, backward "
-            f"{pr.phases['backward']:.3f}, optimizer step {pr.phases['step']:.3f}); NVMe "
+            f"{pr.phases['backward']:.3f}, optimizer step "
+            + (f"{pr.phases['step']:.3f}" if pr.phases["step"] else "deferred into forward")
+            + "); NVMe "
             f"{format_bytes(pr.bytes_read)} read and {format_bytes(pr.bytes_written)} written "
             f"per step; bottleneck: {pr.bottleneck}",
             "predicted peak memory: " + ", ".join(
@@ -429,6 +438,11 @@ class Plan:
         if self.naive is not None:
             lines.append(f"all on NVMe would take {self.naive.step_s:.3f} s "
                          f"({self.naive.step_s / pr.step_s:.2f}x this)")
+        for q, m in self.trials:
+            lines.append(f"measured: parameters {q.params}, optimizer {q.optimizer}, gradients "
+                         f"{q.grads}, activations {q.activations or 'resident'}: "
+                         f"{m.step_s:.3f} s, peak {format_bytes(m.peak)}"
+                         + ("  <- chosen" if q is p else ""))
         return "\n".join(lines)
 
 
@@ -452,11 +466,17 @@ def auto(model: nn.Module, *, sample: Sample, gpu_budget: int | str | None = Non
          cpu_budget: int | str | None = None, nvme_dir: str | tuple | list | None = None,
          bench: dict | str | None = None, device: str | None = None,
          activation_threshold: int | str = "1MiB", machine: Machine | None = None,
-         profile: Profile | None = None) -> Policy:
+         profile: Profile | None = None, build: Callable[[], nn.Module] | None = None,
+         trials: int = 3) -> Policy:
     """The placement with the least predicted step time whose predicted peak memory fits the
     budgets (bytes for everything the step holds: parameters, gradients, optimizer state,
     activations; default: 90% of the device's memory). Refuses, with the numbers, when none
-    fits. ``machine`` and ``profile`` skip measuring them again (``bench`` is then unused)."""
+    fits. ``machine`` and ``profile`` skip measuring them again (``bench`` is then unused).
+
+    With ``build`` (a function that returns a fresh copy of the model), the ``trials``
+    placements predicted fastest are also measured (one step after a warm-up each), and the
+    fastest measured whose measured peak fits the budget wins: the cost model ranks, a short
+    measurement settles what it cannot see (contention on this machine)."""
     dev = torch.device(device) if device else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     cuda = dev.type == "cuda"
@@ -470,7 +490,7 @@ def auto(model: nn.Module, *, sample: Sample, gpu_budget: int | str | None = Non
                "gpu": (parse_bytes(gpu_budget) if gpu_budget is not None
                        else int(0.9 * machine.gpu)) if cuda else None}
     nvme_dir_ok = nvme_dir is not None
-    best: tuple[float, int, Policy, Prediction] | None = None
+    ranked: dict[tuple, tuple[float, int, Policy, Prediction]] = {}  # best of each placement
     tried = fit = 0
     least: tuple[int, Policy, Prediction] | None = None
     for c in candidates(cuda, nvme_dir_ok):
@@ -491,9 +511,10 @@ def auto(model: nn.Module, *, sample: Sample, gpu_budget: int | str | None = Non
                 continue
             fit += 1
             key = (pr.step_s, sum(pr.peak.values()))
-            if best is None or key < best[:2]:
-                best = (*key, pol, pr)
-    if best is None:
+            where = (pol.params, pol.optimizer, pol.grads, pol.activations)
+            if where not in ranked or key < ranked[where][:2]:
+                ranked[where] = (*key, pol, pr)
+    if not ranked:
         over, pol, pr = least
         raise MemoryError(
             "no placement fits: the smallest needs "
@@ -503,13 +524,29 @@ def auto(model: nn.Module, *, sample: Sample, gpu_budget: int | str | None = Non
             + ", ".join(f"{t} {budgets[t]} bytes ({format_bytes(budgets[t])})"
                         for t in budgets if budgets[t] is not None)
             + (" (no nvme_dir was given)" if not nvme_dir_ok else ""))
-    _, _, pol, pr = best
+    order = sorted(ranked.values(), key=lambda t: t[:2])
+    _, _, pol, pr = order[0]
+    measured: list[tuple[Policy, Measured]] = []
+    if build is not None and trials > 0:
+        cap = budgets["gpu"] if cuda else budgets["cpu"]
+        fits: list[tuple[float, int]] = []
+        for _, _, cand, _ in order[:2 * trials]:  # more only while none measured fits
+            if len(measured) >= trials and fits:
+                break
+            m = measure(build, sample, cand, steps=1)
+            if m.peak <= cap:
+                fits.append((m.step_s, len(measured)))
+            measured.append((cand, m))
+        if fits:
+            pol = measured[min(fits)[1]][0]
+            pr = next(t[3] for t in order if t[2] is pol)
     naive = None
     if nvme_dir_ok:
         naive_pol = dataclasses.replace(pol, params="nvme", optimizer="nvme", grads="nvme",
                                         activations="nvme")
         naive = predict(naive_pol, profile, machine)
-    object.__setattr__(pol, "plan", Plan(pol, pr, budgets, profile, machine, tried, fit, naive))
+    object.__setattr__(pol, "plan", Plan(pol, pr, budgets, profile, machine, tried, fit, naive,
+                                         tuple(measured)))
     return pol
 
 
@@ -538,7 +575,9 @@ class Measured:
 def measure(build: Callable[[], nn.Module], sample: Sample, policy: Policy, steps: int = 3,
             lr: float = 1e-4) -> Measured:
     """Builds a model, offloads it under ``policy``, and times ``steps`` AdamW training steps
-    after one warm-up; peak memory is measured above the process before the model was built."""
+    after two warm-ups (the first makes the optimizer state; the paged optimizer applies it in
+    the second's forward); peak memory is measured above the process before the model was
+    built."""
     from .offload import close, offload, stats
     from .optimizer import optimizer
 
@@ -552,8 +591,8 @@ def measure(build: Callable[[], nn.Module], sample: Sample, policy: Policy, step
     opt = optimizer(model, torch.optim.AdamW, lr=lr)
     times, losses = [], []
     try:
-        for i in range(steps + 1):
-            if i == 1:
+        for i in range(steps + 2):
+            if i == 2:
                 st0 = stats(model)
             t0 = time.perf_counter()
             loss = sample(model)
@@ -562,7 +601,7 @@ def measure(build: Callable[[], nn.Module], sample: Sample, policy: Policy, step
             opt.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize()
-            if i:
+            if i >= 2:
                 times.append(time.perf_counter() - t0)
             losses.append(loss.item())
         st = stats(model)

@@ -192,7 +192,7 @@ class Policy:
              cpu_budget: int | str | None = None, nvme_dir: str | None = None,
              bench: Any = None, device: str | None = None,
              activation_threshold: int | str = "1MiB", machine: Any = None,
-             profile: Any = None) -> Policy:
+             profile: Any = None, build: Any = None, trials: int = 3) -> Policy:
         """The placement (parameters, gradients, optimizer state, activations), prefetch depth,
         resident budget and I/O settings with the least predicted step time that fits the
         budgets. ``sample(model)`` runs a forward on a sample batch and returns the loss: it is
@@ -201,13 +201,15 @@ class Policy:
         in ``nvme_dir``. Budgets cover everything the step holds. ``explain()`` says why; a
         MemoryError with the numbers when nothing fits. ``machine`` (``planner.Machine``) and
         ``profile`` (``planner.Profile``) reuse figures measured before (``bench`` is then
-        unused). See ``tieroffload.planner``."""
+        unused). With ``build`` (returns a fresh copy of the model) the ``trials`` placements
+        predicted fastest are measured for a step each and the fastest that fits wins. See
+        ``tieroffload.planner``."""
         from .planner import auto
 
         return auto(model, sample=sample, gpu_budget=gpu_budget, cpu_budget=cpu_budget,
                     nvme_dir=nvme_dir, bench=bench, device=device,
                     activation_threshold=activation_threshold, machine=machine,
-                    profile=profile)
+                    profile=profile, build=build, trials=trials)
 
     def explain(self) -> str:
         """What goes where and why, with the predicted step time, peak memory per tier and the
