@@ -34,6 +34,8 @@ class GradPager:
                 continue
             g = Unit(u.id, f"gradients of {u.name}", grads)
             g.home = NvmeHome(swap, g.nbytes)
+            if not mover.cuda:  # O_DIRECT straight into the gradients: no staging copy
+                g.adopt_flat(swap.align)
             g.free()
             self.buffers[u.id] = g
             self.has[u.id] = [False] * len(grads)

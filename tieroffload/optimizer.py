@@ -217,8 +217,16 @@ class PagedOptimizer(torch.optim.Optimizer):
         return out
 
     def _state_tensors(self, chunk: _Chunk) -> list[tuple[str, torch.Tensor]]:
-        return [(f"{i}.{key}", t) for i, (_, st) in enumerate(self.entries(chunk))
-                for key, t in sorted(st.items()) if isinstance(t, torch.Tensor)]
+        """The tensors to page: the state's own objects (and the master parameters), whose
+        storage paging may replace."""
+        out = []
+        for i, p in enumerate(chunk.params):
+            q = chunk.inner_param(i)
+            st = dict(chunk.inner.state.get(q, {}))
+            if q is not p:
+                st["master"] = q
+            out += [(f"{i}.{k}", t) for k, t in sorted(st.items()) if isinstance(t, torch.Tensor)]
+        return out
 
     def _page_in(self, chunk: _Chunk) -> None:
         """Starts bringing the chunk's state back (no wait)."""
@@ -253,6 +261,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 old.home.release()
             u = Unit(-1, f"optimizer state of {chunk.units[0].name}", tensors)
             u.home = NvmeHome(self.swap, u.nbytes)
+            if not self.mover.cuda:  # O_DIRECT straight into the state: no staging copy
+                u.adopt_flat(self.swap.align)
             chunk.state_unit = u
         chunk.state_unit.state = State.RESIDENT  # until _wait sees the store done
         chunk.pending = self.mover.store(chunk.state_unit)
