@@ -272,9 +272,6 @@ def predict(policy: Policy, profile: Profile, machine: Machine) -> Prediction:
     R, W = machine.read_gbps * 1e9, machine.write_gbps * 1e9
     budget = _param_budget(policy, profile)
     spill = policy.params == "nvme" and P > budget
-    # Paged parameters: the paged optimizer defers each chunk's update to the next forward,
-    # which has the parameters in memory anyway; the step's I/O overlaps the forward's compute.
-    overlap = policy.params == "nvme" or (cuda and policy.params == "cpu")
 
     # Bytes per phase: (read, written) on NVMe.
     fwd = [0, 0]
@@ -284,7 +281,10 @@ def predict(policy: Policy, profile: Profile, machine: Machine) -> Prediction:
         keep = min(P, max(0, budget - profile.largest_unit))
         fwd[0] += P                    # the step before wrote them all back
         bwd[0] += P - keep             # the last ones of forward are still resident
-        step[1] += P                   # updated parameters go home (updated in forward)
+        # The paged optimizer defers each chunk's update to the next forward, which reads the
+        # parameters anyway: they are not read again for the step. The update still runs one
+        # chunk at a time in forward's hooks, barely overlapped: its time stays a phase.
+        step[1] += P                   # updated parameters go home
     if policy.activations == "nvme":
         fwd[1] += A
         bwd[0] += A
@@ -297,13 +297,9 @@ def predict(policy: Policy, profile: Profile, machine: Machine) -> Prediction:
     phases = {}
     depth = _prefetch_units(policy, profile)
     unit = P / max(profile.units, 1)
-    fwd_s, step_s = profile.forward_s, profile.optimizer_s
-    if overlap:
-        fwd = [fwd[0] + step[0], fwd[1] + step[1]]
-        fwd_s, step_s, step = fwd_s + step_s, 0.0, [0, 0]
-    for name, compute, (r, w) in (("forward", fwd_s, fwd),
+    for name, compute, (r, w) in (("forward", profile.forward_s, fwd),
                                   ("backward", profile.backward_s, bwd),
-                                  ("step", step_s, step)):
+                                  ("step", profile.optimizer_s, step)):
         io = r / R + w / W
         cpu = 0.0 if cuda else (r + w) * machine.io_cost
         first = profile.largest_unit / R if name != "backward" and (r or w) else 0.0
@@ -352,24 +348,23 @@ def _peak(policy: Policy, profile: Profile, budget: int) -> dict[str, int]:
             peak["cpu"] += P
     else:
         peak[dev] += P
-    # Staging buffers: units that are not one flat page-aligned buffer (on CUDA every unit;
-    # on the CPU gradients and optimizer state) move through NBUF chunks of them.
+    # Staging buffers: on CUDA units move through NBUF chunks of them (on the CPU parameters,
+    # gradients and optimizer state are page-aligned buffers that O_DIRECT fills directly).
     # Pages of a staging buffer count once touched: a unit smaller than the buffers touches
     # only its own size.
     chunk = min(OPT_CHUNK, budget // 4) if policy.params == "nvme" else OPT_CHUNK
-    staged = []
-    if policy.optimizer == "nvme":
-        staged.append(ADAM_STATE // 4 * min(chunk, P))
-    if policy.grads == "nvme" or cuda and policy.params in ("cpu", "nvme"):
-        staged.append(profile.largest_unit)
-    if staged:
-        peak["cpu"] += min(STAGING, max(staged))
+    if cuda and policy.params in ("cpu", "nvme"):
+        peak["cpu"] += min(STAGING, profile.largest_unit)
     # Gradients: all of them, or the units waiting for the pager.
     grads = P if policy.grads != "nvme" else 3 * profile.largest_unit
     opt_tier = "gpu" if policy.optimizer == "gpu" else "cpu"
-    # Paged: the chunk being updated and the one in flight.
-    peak[opt_tier] += ADAM_STATE * n if policy.optimizer != "nvme" else \
-        min(ADAM_STATE * n, 2 * ADAM_STATE // 4 * chunk)
+    # Paged: the chunk being updated and the one in flight, next to the gradients. After
+    # backward (the step at once) that is a peak of its own; deferred into the next forward
+    # (paged parameters), it adds to that forward's.
+    paged = min(ADAM_STATE * n, 2 * ADAM_STATE // 4 * chunk) if policy.optimizer == "nvme" \
+        else 0
+    peak[opt_tier] += ADAM_STATE * n if policy.optimizer != "nvme" else 0
+    overlap = policy.params == "nvme" or (cuda and policy.params == "cpu")
     # Forward and backward: what the sample step measured (activations and gradients, which
     # backward trades one for the other), less what is paged.
     if policy.activations is None or (policy.activations == "cpu" and not cuda):
@@ -382,7 +377,7 @@ def _peak(policy: Policy, profile: Profile, budget: int) -> dict[str, int]:
         work = min(profile.step_peak, grads + min(A, 2 * window + 2 * avg))
         if policy.activations == "cpu":
             peak["cpu"] += A
-    peak[dev] += work + SLACK
+    peak[dev] += (work + paged if overlap else max(work, grads + paged)) + SLACK
     if "nvme" in (policy.params, policy.optimizer, policy.grads, policy.activations):
         peak["cpu"] += MACHINERY
     return peak
@@ -424,9 +419,7 @@ class Plan:
                if p.params == "nvme" or (p.params == "cpu" and p.gpu_budget is not None)
                else "parameters all resident"),
             f"predicted step: {pr.step_s:.3f} s (forward {pr.phases['forward']:.3f}, backward "
-            f"{pr.phases['backward']:.3f}, optimizer step "
-            + (f"{pr.phases['step']:.3f}" if pr.phases["step"] else "deferred into forward")
-            + "); NVMe "
+            f"{pr.phases['backward']:.3f}, optimizer step {pr.phases['step']:.3f}); NVMe "
             f"{format_bytes(pr.bytes_read)} read and {format_bytes(pr.bytes_written)} written "
             f"per step; bottleneck: {pr.bottleneck}",
             "predicted peak memory: " + ", ".join(
