@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 
@@ -133,8 +132,3 @@ def hook(group: Any, acquire: Callable[[], None], release: Callable[[], None]) -
             release()
     return undo
 
-
-def is_sharded(p: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(p, DTensor)
