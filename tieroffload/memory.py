@@ -77,7 +77,16 @@ def start_peak(device: torch.device) -> int | None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device)
+    trim_heap()  # else memory freed earlier but kept by glibc hides new use from RSS
     return rss() if reset_peak_rss() else None
+
+
+def trim_heap() -> None:
+    """Hands the free memory glibc keeps in its heaps back to the OS (malloc_trim)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def peak(device: torch.device) -> int:
