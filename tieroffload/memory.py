@@ -52,11 +52,7 @@ def drop_page_cache() -> bool:
 def return_freed_memory() -> None:
     """glibc keeps freed large blocks in its heap once its mmap threshold has grown; fixing the
     threshold makes every large block an mmap, so that freeing it really lowers RSS."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
+    _libc("mallopt", -3, 256 << 10)  # M_MMAP_THRESHOLD
 
 
 def ram_limit() -> int:
@@ -83,8 +79,13 @@ def start_peak(device: torch.device) -> int | None:
 
 def trim_heap() -> None:
     """Hands the free memory glibc keeps in its heaps back to the OS (malloc_trim)."""
+    _libc("malloc_trim", 0)
+
+
+def _libc(name: str, *args: int) -> None:
+    """Calls a glibc function where there is one (elsewhere, nothing)."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        getattr(ctypes.CDLL("libc.so.6"), name)(*args)
     except (OSError, AttributeError):
         pass
 

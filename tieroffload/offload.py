@@ -86,8 +86,7 @@ class OffloadState:
         if policy.params == "gpu" and self.device.type != "cuda":
             raise ValueError('params="gpu" needs a CUDA compute device; this one is '
                              f"{self.device}")
-        self.offloaded = policy.params == "nvme" or (policy.params == "cpu"
-                                                     and self.device.type == "cuda")
+        self.offloaded = policy.pages_params
         fsdp_groups = self._fsdp_groups(model)
         self._uninitialized = self._materialize_meta(model)
         self.units, self.module_units = self._build_units(model)

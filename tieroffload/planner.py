@@ -342,7 +342,7 @@ def _peak(policy: Policy, profile: Profile, budget: int) -> dict[str, int]:
     A = profile.activation_bytes
     dev = "gpu" if cuda else "cpu"
     peak = {"gpu": 0, "cpu": 0}
-    if policy.params == "nvme" or (cuda and policy.params == "cpu"):
+    if policy.pages_params:
         peak[dev] += min(P, budget)
         if policy.params == "cpu":
             peak["cpu"] += P
@@ -364,7 +364,6 @@ def _peak(policy: Policy, profile: Profile, budget: int) -> dict[str, int]:
     paged = min(ADAM_STATE * n, 2 * ADAM_STATE // 4 * chunk) if policy.optimizer == "nvme" \
         else 0
     peak[opt_tier] += ADAM_STATE * n if policy.optimizer != "nvme" else 0
-    overlap = policy.params == "nvme" or (cuda and policy.params == "cpu")
     # Forward and backward: what the sample step measured (activations and gradients, which
     # backward trades one for the other), less what is paged.
     if policy.activations is None or (policy.activations == "cpu" and not cuda):
@@ -377,7 +376,7 @@ def _peak(policy: Policy, profile: Profile, budget: int) -> dict[str, int]:
         work = min(profile.step_peak, grads + min(A, 2 * window + 2 * avg))
         if policy.activations == "cpu":
             peak["cpu"] += A
-    peak[dev] += (work + paged if overlap else max(work, grads + paged)) + SLACK
+    peak[dev] += (work + paged if policy.pages_params else max(work, grads + paged)) + SLACK
     if "nvme" in (policy.params, policy.optimizer, policy.grads, policy.activations):
         peak["cpu"] += MACHINERY
     return peak
@@ -416,8 +415,7 @@ class Plan:
             f"{p.optimizer}, activations {p.activations or 'resident'}; "
             + (f"prefetch {p.prefetch} units ahead, resident parameter budget "
                f"{format_bytes(_param_budget(p, prof))}"
-               if p.params == "nvme" or (p.params == "cpu" and p.gpu_budget is not None)
-               else "parameters all resident"),
+               if p.pages_params else "parameters all resident"),
             f"predicted step: {pr.step_s:.3f} s (forward {pr.phases['forward']:.3f}, backward "
             f"{pr.phases['backward']:.3f}, optimizer step {pr.phases['step']:.3f}); NVMe "
             f"{format_bytes(pr.bytes_read)} read and {format_bytes(pr.bytes_written)} written "

@@ -154,6 +154,13 @@ class Policy:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
+    @property
+    def pages_params(self) -> bool:
+        """Parameters live away from the compute device and are paged in: on NVMe, or in RAM
+        with CUDA compute."""
+        return self.params == "nvme" or (self.params == "cpu"
+                                         and self.compute_device().type == "cuda")
+
     def to_dict(self) -> dict[str, Any]:
         """Plain values (JSON-ready); ``Policy.from_dict`` reads it back."""
         return dataclasses.asdict(self)
