@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import tieroffload
 from tieroffload.bench import disk_gbps
-from tieroffload.memory import peak_rss, reset_peak_rss, rss
+from tieroffload.memory import peak_rss, start_peak
 from tieroffload.models import GPT, token_batch
 from tieroffload.sizes import format_bytes
 
@@ -60,6 +60,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--budget", default="1GiB")
+    p.add_argument("--prefetch", default=None,
+                   help="units or a size such as 128MiB (default: the policy's, adaptive)")
     p.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up)")
     p.add_argument("--meta", action="store_true",
                    help="no resident run: build on the meta device and stream random weights "
@@ -80,24 +82,29 @@ def main() -> None:
     if not args.meta:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         step(model, opt, args, 0)
-        resident = statistics.median(step(model, opt, args, i + 1)[0] for i in range(args.steps))
+        base, times = start_peak(torch.device("cpu")), []
+        for i in range(args.steps):
+            times.append(step(model, opt, args, i + 1)[0])
+        resident = statistics.median(times)
+        resident_peak = peak_rss() - base
         del opt
         state0 = {k: v.clone() for k, v in model.state_dict().items()}
         torch.manual_seed(0)
         model = GPT(args.vocab, args.d, args.layers, 16, args.seq)
         model.load_state_dict(state0)
         del state0
+    prefetch = {} if args.prefetch is None else {
+        "prefetch": int(args.prefetch) if args.prefetch.isdigit() else args.prefetch}
     tieroffload.offload(model, tieroffload.Policy(
         params="nvme", optimizer="nvme", grads="nvme", nvme_dir=tmp.name, device="cpu",
-        cpu_budget=args.budget, prefetch="256MiB"))
+        cpu_budget=args.budget, **prefetch))
     if args.meta:
         t0 = time.perf_counter()
         tieroffload.load_weights(model, RandomWeights(model))
         print(f"streamed random weights to NVMe in {time.perf_counter() - t0:.0f} s")
     opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-4)
     step(model, opt, args, 0)
-    base = rss()
-    reset_peak_rss()
+    base = start_peak(torch.device("cpu"))
     st0 = tieroffload.stats(model)
     times = []
     for i in range(args.steps):
@@ -118,7 +125,10 @@ def main() -> None:
           f"waited on I/O {(st['wait_s'] - st0['wait_s']) / args.steps:.2f} s/step")
     print(f"peak RSS over the measured steps: {format_bytes(peak)} "
           f"({format_bytes(peak - base)} above the {format_bytes(base)} before them); "
-          f"budget {format_bytes(st['budget'])}, staging {format_bytes(st['overhead'])}")
+          f"budget {format_bytes(st['budget'])}, staging {format_bytes(st['overhead'])}"
+          + ("" if resident is None else
+             f"; the resident steps peaked {format_bytes(resident_peak)} above theirs "
+             "(activations, gradients and temporaries)"))
     opt.close()
     tieroffload.close(model, restore=False)
     tmp.cleanup()

@@ -8,6 +8,10 @@
 #include <cerrno>
 #include <system_error>
 
+#ifndef MREMAP_DONTUNMAP
+#define MREMAP_DONTUNMAP 4  // Linux 5.7; older glibc headers lack the name
+#endif
+
 #include "engine.h"
 
 namespace py = pybind11;
@@ -86,6 +90,34 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("addr"), py::arg("nbytes"),
       "Gives the pages of [addr, addr+nbytes) back to the OS (page aligned); they read as zeros.");
+  m.def(
+      "park",
+      [](uintptr_t addr, size_t nbytes) -> int64_t {
+        void* p = mremap(reinterpret_cast<void*>(addr), nbytes, nbytes,
+                         MREMAP_MAYMOVE | MREMAP_DONTUNMAP, nullptr);
+        return p == MAP_FAILED ? -errno : static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
+      },
+      py::arg("addr"), py::arg("nbytes"),
+      "Moves the pages of [addr, addr+nbytes) to a new range and returns its address; the old\n"
+      "range stays mapped and reads as zeros, as after discard. -errno where the kernel refuses\n"
+      "(EINVAL before Linux 5.7, EFAULT for a range over two mappings).");
+  m.def(
+      "place",
+      [](uintptr_t src, uintptr_t dst, size_t nbytes) {
+        if (mremap(reinterpret_cast<void*>(src), nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED,
+                   reinterpret_cast<void*>(dst)) == MAP_FAILED)
+          throw std::system_error(errno, std::generic_category(), "mremap");
+      },
+      py::arg("src"), py::arg("dst"), py::arg("nbytes"),
+      "Moves the pages of [src, src+nbytes) (a parked range) over [dst, dst+nbytes): no page\n"
+      "is zeroed or copied; src is unmapped.");
+  m.def(
+      "unmap",
+      [](uintptr_t addr, size_t nbytes) {
+        if (munmap(reinterpret_cast<void*>(addr), nbytes) != 0)
+          throw std::system_error(errno, std::generic_category(), "munmap");
+      },
+      py::arg("addr"), py::arg("nbytes"), "Unmaps a parked range: its pages go to the OS.");
   m.def("uring_compiled", &uring_compiled, "True when built with liburing.");
   m.def("uring_probe", &uring_probe,
         "0 when an io_uring ring can be created here, else the errno that refused it.");

@@ -13,7 +13,7 @@ import collections
 import torch
 
 from .swap import SwapSpace
-from .tiers import Mover, NvmeHome, Stats, Ticket, Unit, timed_wait
+from .tiers import Mover, NvmeHome, PagePool, Stats, Ticket, Unit, timed_wait
 
 
 class GradPager:
@@ -39,6 +39,9 @@ class GradPager:
             g.free()
             self.buffers[u.id] = g
             self.has[u.id] = [False] * len(grads)
+        # Pages of gradients written out, for the next unit's: one unit's worth at most.
+        self.pool = PagePool(max((g.flat.numel() for g in self.buffers.values()
+                                  if g.flat is not None), default=0))
 
     def _grad_params(self, u: Unit) -> list[torch.nn.Parameter]:
         return [p for p in u.params if p.requires_grad]
@@ -62,7 +65,7 @@ class GradPager:
             has[i] = has[i] or f is not None
 
         def job() -> None:
-            g.allocate()
+            g.allocate(self.pool)  # every byte is read or copied below
             if any(prior):
                 self.mover.move_now(g, write=False)
             for f, seg, old in zip(fresh, g.segments, prior):
@@ -73,7 +76,7 @@ class GradPager:
                         seg.param.data.copy_(f)
             self.finite[u.id] = all(bool(torch.isfinite(s.param.data).all()) for s in g.segments)
             self.mover.move_now(g, write=True)
-            g.free()
+            g.free(self.pool)
 
         self.pending.append(self.mover.submit(job))
         while len(self.pending) > self.DEPTH:
@@ -90,7 +93,7 @@ class GradPager:
         for u in units:
             g = self.buffers.get(u.id)
             if g is not None and any(self.has[u.id]) and u.id not in self.incoming:
-                g.allocate()
+                g.allocate(self.pool)
                 self.incoming[u.id] = self.mover.load(g)
 
     def bring_in(self, units: list[Unit]) -> None:
@@ -114,7 +117,7 @@ class GradPager:
                 continue
             for p in self._grad_params(u):
                 p.grad = None
-            g.free()
+            g.free(self.pool)
             self.has[u.id] = [False] * len(self.has[u.id])
             self.finite.pop(u.id, None)
 
@@ -126,6 +129,10 @@ class GradPager:
             if uid not in kept:
                 self.has[uid] = [False] * len(self.has[uid])
                 self.finite.pop(uid, None)
+
+    def close(self) -> None:
+        self.flush()
+        self.pool.clear()
 
     def all_finite(self) -> bool:
         self.flush()

@@ -77,6 +77,7 @@ class OffloadState:
         self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # paged ones, closed with us
         self.engine = None
         self.mover: Mover | None = None
+        self.scheduler: Scheduler | None = None
         self.activations: ActivationPager | None = None
         self.autobatch: Any = None  # an AutoBatch over this model reports in stats()
         self._fsdp_ids: set[int] = set()
@@ -522,9 +523,15 @@ class OffloadState:
         for undo in self._undo:
             undo()
         self._undo.clear()
+        if self.grads is not None:
+            self.grads.close()
+        if self.scheduler is not None:
+            self.scheduler.drain()
         if self.mover is not None:
             self.mover.close()
             self.mover = None
+        if self.scheduler is not None:
+            self.scheduler.pool.clear()
         if self.activations is not None:
             self.activations.close()
             self.activations = None

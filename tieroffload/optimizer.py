@@ -21,7 +21,7 @@ from torch import nn
 
 from .offload import OffloadState, _state
 from .swap import SwapSpace, stable_tag
-from .tiers import Mover, NvmeHome, State, Ticket, Unit, timed_wait
+from .tiers import Mover, NvmeHome, PagePool, State, Ticket, Unit, timed_wait
 
 CHUNK_BYTES = 16 << 20  # parameters per chunk, at least one unit
 
@@ -107,6 +107,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         self.swap: SwapSpace | None = None
         self.mover = self.offload.mover
         self._owned: list[Any] = []  # engine, mover and swap made here, closed by close()
+        # Pages of a chunk's state written out, for the next chunk read: one chunk at most.
+        self.pool = PagePool(0)
+        self._writing: list[_Chunk] = []  # chunks whose state is being written, oldest first
         if self.tier == "nvme":
             engine = self.offload.engine
             if self.mover is None:  # the parameters are not offloaded: move state on our own
@@ -149,9 +152,11 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Deletes the swap space this optimizer made (the state in it is lost)."""
+        self._drain()
         for thing in self._owned:
             thing.close()
         self._owned.clear()
+        self.pool.clear()
         _live.discard(self)
 
     def _own_swap(self, model: nn.Module, engine: Any) -> SwapSpace:
@@ -233,11 +238,13 @@ class PagedOptimizer(torch.optim.Optimizer):
         u = chunk.state_unit
         if u is None or u.state is not State.AWAY:
             return
-        u.allocate()
+        u.allocate(self.pool)  # the load overwrites every byte
         u.state = State.FETCHING
         chunk.pending = self.mover.load(u)
 
     def _wait(self, chunk: _Chunk) -> None:
+        if chunk in self._writing:
+            self._writing.remove(chunk)
         if chunk.pending is not None:
             ticket, chunk.pending = chunk.pending, None
             timed_wait(ticket, self.offload.stats)
@@ -245,7 +252,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             if u.state is State.FETCHING:
                 u.state = State.RESIDENT
             else:  # a store finished: the memory can go
-                u.free()
+                u.free(self.pool)
                 u.state = State.AWAY
 
     def _page_out(self, chunk: _Chunk) -> None:
@@ -263,9 +270,16 @@ class PagedOptimizer(torch.optim.Optimizer):
             u.home = NvmeHome(self.swap, u.nbytes)
             if not self.mover.cuda:  # O_DIRECT straight into the state: no staging copy
                 u.adopt_flat(self.swap.align)
+                self.pool.cap = max(self.pool.cap, u.flat.numel())
             chunk.state_unit = u
         chunk.state_unit.state = State.RESIDENT  # until _wait sees the store done
         chunk.pending = self.mover.store(chunk.state_unit)
+        self._writing.append(chunk)
+
+    def _drain(self) -> None:
+        """Waits for the state stores in flight; their memory goes to the pool."""
+        while self._writing:
+            self._wait(self._writing[0])
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -304,6 +318,13 @@ class PagedOptimizer(torch.optim.Optimizer):
             for shard in self.offload.shards:
                 shard.clear_grad(set_to_none=True)  # taken with the locals' gradients
             self._pending_scale = scale
+            # The first update waits for nothing: its state and gradients come in now, while
+            # the caller gets the next batch.
+            if self._pending:
+                first = chunks[min(self._pending)]
+                self._page_in(first)
+                if self.offload.grads is not None:
+                    self.offload.grads.start_bring_in(first.units)
         else:
             self._run(list(range(len(chunks))), scale)
         if self.scaler is not None:
@@ -343,6 +364,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         sched = self.offload.scheduler if self.offload.mover is not None else None
         for k, i in enumerate(todo):
             chunk = chunks[i]
+            if chunk in self._writing:
+                self._wait(chunk)  # its last store: the update reads the state back
             if k == 0:
                 self._page_in(chunk)
             self._wait(chunk)
@@ -352,7 +375,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 nxt = chunks[todo[k + 1]] if k + 1 < len(todo) else None
                 ahead = nxt or next((chunks[j] for j in sorted(self._pending) if j > i), None)
                 if ahead is not None:
-                    self._wait(ahead)  # its previous store, if any, is done
+                    # Earlier chunks' stores first: their pages go to the state read next.
+                    self._drain()
                     self._page_in(ahead)
                     if self.offload.grads is not None:
                         self.offload.grads.start_bring_in(ahead.units)
@@ -372,10 +396,12 @@ class PagedOptimizer(torch.optim.Optimizer):
                 if sched is not None:
                     sched.release(chunk.units)
             self._consume_grads(chunk)
-            if k > 0:
-                self._wait(chunks[todo[k - 1]])
             self._page_out(chunk)
-        self._wait(chunks[todo[-1]])
+        if not self._pending:  # the step is done: nothing more to overlap its stores with
+            self._drain()
+            self.pool.clear()  # until the next step, its pages serve nothing
+            if self.offload.grads is not None:
+                self.offload.grads.pool.clear()
 
     def _step_chunk(self, chunk: _Chunk, scale: float | None) -> None:
         for i, p in enumerate(chunk.params):
@@ -518,7 +544,7 @@ class _Resident:
     def __exit__(self, *exc: object) -> None:
         if self.paged:
             u = self.chunk.state_unit
-            u.free()
+            u.free(self.opt.pool)
             u.state = State.AWAY
 
 

@@ -15,10 +15,11 @@ use (the budget cannot hold the window) it backs off. Each change is kept in ``s
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 
 from .sizes import format_bytes
-from .tiers import Mover, State, Stats, Unit, timed_wait
+from .tiers import Mover, PagePool, State, Stats, Unit, timed_wait
 
 log = logging.getLogger("tieroffload")
 
@@ -42,6 +43,10 @@ class Scheduler:
         self.iteration = 0
         self._seen = (0, 0)  # (late, wasted) at the last adaptation
         self._prefetched: set[int] = set()  # fetched ahead, not used yet
+        # Pages of evicted units, for the next fetch; resident and parked bytes together stay
+        # within the budget.
+        self.pool = PagePool(0)
+        self._writing: collections.deque[Unit] = collections.deque()  # evicted, being written
         stats.prefetch = self.prefetch_bytes if self.prefetch_bytes is not None \
             else self.prefetch_units
 
@@ -142,6 +147,11 @@ class Scheduler:
         if u.state is State.RESIDENT:
             self.stats.hits += 1
             return
+        if u.state is State.WRITING:  # evicted, not yet freed: its bytes are still here
+            self.stats.hits += 1
+            self._writing.remove(u)
+            self._finish(u)
+            return
         if u.state is State.FETCHING:
             if u.ticket.done():
                 self.stats.hits += 1
@@ -155,7 +165,7 @@ class Scheduler:
         self._finish(u)
 
     def _start_fetch(self, u: Unit) -> None:
-        u.allocate()
+        u.allocate(self.pool if u.initialized else None)  # a load overwrites every byte
         self._account(u.nbytes)
         u.state = State.FETCHING
         if u.initialized:
@@ -191,7 +201,12 @@ class Scheduler:
     def _make_room(self, nbytes: int, force: bool, target: Unit | None,
                    prefetching: bool = False) -> bool:
         while self.stats.resident + nbytes > self.budget:
+            if self._writing and self._reap(block=False):
+                continue
             victim = self._victim(target if prefetching else None)
+            if victim is None and self._writing:
+                self._reap(block=True)
+                continue
             if victim is None:
                 if prefetching:
                     return False
@@ -206,18 +221,45 @@ class Scheduler:
         return True
 
     def evict(self, u: Unit) -> None:
-        """Writes the unit back if it changed, then frees its storage."""
+        """Frees the unit's storage; one that changed is written back first, asynchronously:
+        it stays in memory (and counted) until written, so compute does not wait for the
+        write unless the budget needs its memory at once."""
         if u.state is State.FETCHING:
             self._finish(u)
-        if u.dirty:
-            self.flush(u)
         if u.id in self._prefetched:
             self._prefetched.discard(u.id)
             self.stats.wasted += 1
-        u.free()
+        if u.dirty:
+            u.ticket = self.mover.store(u)
+            u.dirty = False
+            u.initialized = True
+            u.state = State.WRITING
+            self._writing.append(u)
+            return
+        self._free(u)
+
+    def _free(self, u: Unit) -> None:
+        self.pool.cap = self.budget - (self.stats.resident - u.nbytes)
+        u.free(self.pool)
         u.state = State.AWAY
         self._account(-u.nbytes)
         self.stats.evictions += 1
+
+    def _reap(self, block: bool) -> bool:
+        """Frees units whose write is done (with ``block``, waits for the oldest first);
+        True when any memory came back."""
+        freed = False
+        while self._writing and (block or self._writing[0].ticket.done()):
+            u = self._writing.popleft()
+            self._finish(u)
+            self._free(u)
+            freed, block = True, False
+        return freed
+
+    def drain(self) -> None:
+        """Waits for every write of an evicted unit (before the swap space goes)."""
+        while self._writing:
+            self._reap(block=True)
 
     def flush(self, u: Unit) -> None:
         """Writes a resident unit's values to its home."""
