@@ -204,8 +204,8 @@ class Scheduler:
             if self._writing and self._reap(block=False):
                 continue
             victim = self._victim(target if prefetching else None)
-            if victim is None and self._writing:
-                self._reap(block=True)
+            if victim is None and self._writing and not prefetching:
+                self._reap(block=True)  # a prefetch never waits: it is tried again later
                 continue
             if victim is None:
                 if prefetching:
