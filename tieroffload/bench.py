@@ -626,7 +626,7 @@ def run_nvme(directory: str | os.PathLike | list[str | os.PathLike] | tuple[str 
                                             f"{format_size(p.block_size)} qd{p.queue_depth}")
                         if p.direction == "read":
                             cold = drop_page_cache() and cold
-                        if _stopping.is_set():  # a SIGTERM whose exception was lost
+                        if _stopping.is_set():  # an interrupt whose exception was lost
                             raise KeyboardInterrupt
                         try:
                             moved, secs = c.measure(p)
@@ -874,8 +874,10 @@ def main(argv: list[str] | None = None) -> int:
     nvme.add_argument("--plot", metavar="OUT.png", help="write GB/s against queue depth (PNG)")
     args = parser.parse_args(argv)
 
-    # SIGTERM takes the same way out as Ctrl-C, so the scratch file is removed either way.
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    # SIGTERM takes the same way out as Ctrl-C, so the scratch file is removed either way;
+    # the caller's handlers come back at the end (main may run inside a notebook or a test).
+    _stopping.clear()
+    previous = {sig: signal.signal(sig, _on_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         _check_output("--json", args.json)
         _check_output("--plot", args.plot)
@@ -897,16 +899,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tieroffload-bench nvme: interrupted; scratch files removed", file=sys.stderr)
         return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 
 _stopping = threading.Event()
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    """Ctrl-C's way out. The exception it raises can be lost: raised inside code that runs
-    while the main thread waits, it was seen to vanish about one run in ten (inside the
-    aiofiles measurement, it seems); the sweep also checks the flag before each point."""
+def _on_interrupt(signum: int, frame: Any) -> None:
+    """Ctrl-C's way out, for SIGINT and SIGTERM alike. Installed for SIGINT too because
+    ``asyncio.run`` otherwise puts its own handler in, which only cancels the aiofiles task,
+    and that cancel was seen to vanish about one run in ten; the flag, checked before each
+    point and at the end, catches an exception lost anywhere else."""
     _stopping.set()
     raise KeyboardInterrupt
 
