@@ -63,6 +63,9 @@ def main() -> None:
     p.add_argument("--prefetch", default=None,
                    help="units or a size such as 128MiB (default: the policy's, adaptive)")
     p.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up)")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help='tieroffload.optimizer(overlap="backward"): each chunk steps during '
+                        "backward")
     p.add_argument("--meta", action="store_true",
                    help="no resident run: build on the meta device and stream random weights "
                         "into NVMe (for a model whose training state exceeds RAM)")
@@ -102,7 +105,8 @@ def main() -> None:
         t0 = time.perf_counter()
         tieroffload.load_weights(model, RandomWeights(model))
         print(f"streamed random weights to NVMe in {time.perf_counter() - t0:.0f} s")
-    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-4)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-4,
+                                overlap="backward" if args.step_in_backward else True)
     step(model, opt, args, 0)
     base = start_peak(torch.device("cpu"))
     st0 = tieroffload.stats(model)

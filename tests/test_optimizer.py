@@ -89,6 +89,63 @@ def test_twenty_adamw_steps_match_pytorch(config, delay, overlap, tmp_path):
     tieroffload.close(model)
 
 
+@pytest.mark.parametrize("delay", [0.0, 0.002])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_step_in_backward_matches_pytorch(config, delay, tmp_path):
+    """overlap="backward": each chunk steps during backward, as soon as its gradients are
+    final; twenty steps give the same losses, parameters and state as plain PyTorch."""
+    if delay and CONFIGS[config][1] != "nvme":
+        pytest.skip("no I/O to delay")
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = tieroffload.offload(copy.deepcopy(ref), policy(config, tmp_path),
+                                _io_delay=(lambda: time.sleep(delay)) if delay else None)
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **kw)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, overlap="backward", **kw)
+    paged = CONFIGS[config][0] == "nvme"
+    sched, sched_ref = warmup(opt), warmup(opt_ref)
+    for step in range(20):
+        x = batch(step, 0)
+        loss = model(x).float().square().mean()
+        loss.backward()
+        # with paged parameters every chunk has stepped by now, and no gradient is left
+        assert len(opt._stepped) == (len(opt.chunks) if paged else 0)
+        assert all(p.grad is None for p in model.parameters()) == paged
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        loss_ref = ref(x).float().square().mean()
+        loss_ref.backward()
+        opt_ref.step()
+        sched_ref.step()
+        opt_ref.zero_grad()
+        assert loss.item() == loss_ref.item(), step
+    with tieroffload.materialize(model):
+        for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(a, b), n
+    sd, sd_ref = opt.state_dict(), opt_ref.state_dict()
+    for i, st in sd_ref["state"].items():
+        for k, v in st.items():
+            assert torch.equal(sd["state"][i][k], v), (i, k)
+    # a second backward before step() would step the chunks twice: refused
+    model(batch(0, 0)).square().mean().backward()
+    if paged:
+        with pytest.raises(RuntimeError, match="no gradient accumulation"):
+            model(batch(0, 1)).square().mean().backward()
+    opt.close()
+    tieroffload.close(model)
+
+
+def test_step_in_backward_refuses_loss_scaling(tmp_path):
+    model = tieroffload.offload(TinyGPT(), policy("nvme-nvme", tmp_path))
+    with pytest.raises(ValueError, match="loss scaling"):
+        tieroffload.optimizer(model, torch.optim.AdamW, overlap="backward", loss_scale=1024.0)
+    with pytest.raises(ValueError, match="overlap must be"):
+        tieroffload.optimizer(model, torch.optim.AdamW, overlap="later")
+    tieroffload.close(model)
+
+
 def test_generic_optimizer_and_param_groups(tmp_path):
     torch.manual_seed(0)
     ref = mlp()

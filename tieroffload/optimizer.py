@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .offload import OffloadState, _state
+from .offload import OffloadState, _state, _world_size
 from .swap import SwapSpace, stable_tag
 from .tiers import Mover, NvmeHome, PagePool, State, Ticket, Unit, timed_wait
 
@@ -87,7 +87,7 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, opt_cls: type[torch.optim.Optimizer],
                  params: Iterable | None, kwargs: dict[str, Any],
-                 loss_scale: str | float | None = "auto", overlap: bool = True) -> None:
+                 loss_scale: str | float | None = "auto", overlap: bool | str = True) -> None:
         self.offload: OffloadState = _state(model)
         policy = self.offload.policy
         self.tier = policy.optimizer
@@ -126,9 +126,20 @@ class PagedOptimizer(torch.optim.Optimizer):
             loss_scale = "dynamic" if fp16 else None
         self.scaler = (None if loss_scale is None else LossScale() if loss_scale == "dynamic"
                        else LossScale(float(loss_scale), dynamic=False))
+        if overlap not in (True, False, "backward"):
+            raise ValueError(f'overlap must be True, False or "backward", not {overlap!r}')
+        if overlap == "backward" and (self.scaler is not None or self.offload.shards
+                                      or _world_size() > 1):
+            raise ValueError(
+                'overlap="backward" steps each chunk as soon as its gradients are final, so it '
+                "cannot wait for a check of every gradient (fp16 loss scaling) or for other "
+                "ranks' gradients (DDP, FSDP): use overlap=True")
         # Deferred steps (see step): only where the parameters are paged, so that nothing
         # reads them between step() and the next use, which applies the update first.
-        self.overlap = overlap and self.offload.mover is not None
+        self.overlap = overlap if overlap == "backward" else (
+            overlap and self.offload.mover is not None)
+        self._ready: dict[int, set[int]] = {}  # overlap="backward": chunk -> units with grads
+        self._stepped: set[int] = set()  # overlap="backward": chunks stepped this backward
         self._pending: dict[int, list[torch.Tensor | None] | None] = {}  # chunk -> its grads
         self._pending_scale: float | None = None
         self._settling = False
@@ -310,6 +321,14 @@ class PagedOptimizer(torch.optim.Optimizer):
             for chunk in chunks:
                 self._consume_grads(chunk)
             return loss
+        if self.overlap == "backward":  # what backward did not step (no gradients) goes now
+            todo = [i for i in range(len(chunks)) if i not in self._stepped]
+            self._stepped.clear()
+            self._ready.clear()
+            for i in todo:
+                self._sync_groups(chunks[i])
+            self._run(todo, None)
+            return loss
         for chunk in chunks:  # the hyperparameters (a scheduler's lr) of this step
             self._sync_groups(chunk)
         if self.overlap:
@@ -330,6 +349,48 @@ class PagedOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         return loss
+
+    def grads_ready(self, u: Unit) -> None:
+        """With ``overlap="backward"``: steps the chunk that holds ``u`` once all of its units
+        have their gradients, while backward goes on with earlier layers; then starts reading
+        the state of the chunk that backward reaches next. Its gradients never go to NVMe."""
+        i = self._unit_chunk.get(u.id)
+        if self.overlap != "backward" or i is None:
+            return
+        if i in self._stepped:
+            raise RuntimeError(
+                'tieroffload: overlap="backward" steps each chunk during backward, so step() '
+                "must follow every backward (no gradient accumulation); use overlap=True")
+        chunk = self.chunks[i]
+        ready = self._ready.setdefault(i, set())
+        ready.add(u.id)
+        if len(ready) < len(chunk.units):
+            return
+        del self._ready[i]
+        self._stepped.add(i)
+        self._sync_groups(chunk)
+        sched = self.offload.scheduler if self.offload.mover is not None else None
+        with torch.no_grad():
+            if chunk in self._writing:
+                self._wait(chunk)
+            self._page_in(chunk)
+            self._wait(chunk)
+            if sched is not None:
+                sched.acquire(chunk.units, force=True, record=False)
+            try:
+                if self.offload.grads is not None:  # those of units paged before the last
+                    self.offload.grads.bring_in(chunk.units)
+                self._step_chunk(chunk, None)
+            finally:
+                if sched is not None:
+                    sched.release(chunk.units)
+            for p in chunk.params:
+                p.grad = None
+            self._consume_grads(chunk)
+            self._page_out(chunk)
+            if i > 0 and i - 1 not in self._stepped:  # backward runs from the last chunk
+                self._drain()  # its pages go to the state read next
+                self._page_in(self.chunks[i - 1])
 
     def _take_grads(self, chunk: _Chunk) -> list[torch.Tensor | None] | None:
         """The chunk's gradients, kept for its deferred update (None: they wait on NVMe)."""
@@ -550,7 +611,7 @@ class _Resident:
 
 def optimizer(model: nn.Module, opt_cls: type[torch.optim.Optimizer],
               params: Iterable | None = None, *, loss_scale: str | float | None = "auto",
-              overlap: bool = True, **kwargs: Any) -> PagedOptimizer:
+              overlap: bool | str = True, **kwargs: Any) -> PagedOptimizer:
     """A ``torch.optim.Optimizer`` over an offloaded model whose state lives in
     ``policy.optimizer`` ("cpu" or "nvme"; "gpu" with CUDA compute) and is stepped in chunks.
     ``params``: param groups as torch accepts them (default: all of the model's).
@@ -560,7 +621,11 @@ def optimizer(model: nn.Module, opt_cls: type[torch.optim.Optimizer],
     "auto" (dynamic when any parameter is fp16, else none), "dynamic", a fixed number, or None;
     with scaling, backward ``opt.scale_loss(loss)``, and a step whose gradients overflow is
     skipped (``opt.skipped_steps``). ``overlap``: defer each chunk's update to the next use of
-    its parameters (see ``PagedOptimizer.step``)."""
+    its parameters (see ``PagedOptimizer.step``); ``"backward"`` steps each chunk during
+    backward, as soon as its gradients are final (single process, no loss scaling, and no
+    gradient accumulation or clipping between backward and ``step()``, which then only steps
+    what got no gradient): its I/O then overlaps backward's compute, and gradients never go to
+    NVMe."""
     if not (isinstance(opt_cls, type) and issubclass(opt_cls, torch.optim.Optimizer)):
         raise TypeError(f"opt_cls must be a torch.optim.Optimizer class, not {opt_cls!r}")
     if params is not None:
