@@ -394,9 +394,10 @@ class OffloadState:
 
     def _grads_ready(self, u: Unit) -> None:
         self.scheduler.release([u] * self._bwd_pins.pop(u.id, 0))
+        taken = False
         for opt in list(self.optimizers):  # overlap="backward" steps here, before paging
-            opt.grads_ready(u)
-        if self.grads is not None:
+            taken = opt.grads_ready(u) or taken
+        if self.grads is not None and not taken:
             if self._defer_grads:
                 self._deferred.append(u)
             else:

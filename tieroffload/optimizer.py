@@ -328,6 +328,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             for i in todo:
                 self._sync_groups(chunks[i])
             self._run(todo, None)
+            if chunks:  # the chunk that backward steps first: its state comes in meanwhile
+                self._page_in(chunks[-1])
             return loss
         for chunk in chunks:  # the hyperparameters (a scheduler's lr) of this step
             self._sync_groups(chunk)
@@ -350,13 +352,14 @@ class PagedOptimizer(torch.optim.Optimizer):
             self.scaler.update(overflow=False)
         return loss
 
-    def grads_ready(self, u: Unit) -> None:
+    def grads_ready(self, u: Unit) -> bool:
         """With ``overlap="backward"``: steps the chunk that holds ``u`` once all of its units
         have their gradients, while backward goes on with earlier layers; then starts reading
-        the state of the chunk that backward reaches next. Its gradients never go to NVMe."""
+        the state of the chunk that backward reaches next. True when ``u``'s gradients are
+        taken here (held in memory until the chunk steps): they are not paged out."""
         i = self._unit_chunk.get(u.id)
         if self.overlap != "backward" or i is None:
-            return
+            return False
         if i in self._stepped:
             raise RuntimeError(
                 'tieroffload: overlap="backward" steps each chunk during backward, so step() '
@@ -365,7 +368,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         ready = self._ready.setdefault(i, set())
         ready.add(u.id)
         if len(ready) < len(chunk.units):
-            return
+            return True
         del self._ready[i]
         self._stepped.add(i)
         self._sync_groups(chunk)
@@ -378,19 +381,20 @@ class PagedOptimizer(torch.optim.Optimizer):
             if sched is not None:
                 sched.acquire(chunk.units, force=True, record=False)
             try:
-                if self.offload.grads is not None:  # those of units paged before the last
-                    self.offload.grads.bring_in(chunk.units)
                 self._step_chunk(chunk, None)
             finally:
                 if sched is not None:
                     sched.release(chunk.units)
             for p in chunk.params:
                 p.grad = None
-            self._consume_grads(chunk)
-            self._page_out(chunk)
-            if i > 0 and i - 1 not in self._stepped:  # backward runs from the last chunk
-                self._drain()  # its pages go to the state read next
+            # The previous chunk's store has had this chunk's backward to finish: its pages go
+            # to the state read next (backward runs from the last chunk); this chunk's store
+            # then has the next chunk's backward.
+            self._drain()
+            if i > 0 and i - 1 not in self._stepped:
                 self._page_in(self.chunks[i - 1])
+            self._page_out(chunk)
+        return True
 
     def _take_grads(self, chunk: _Chunk) -> list[torch.Tensor | None] | None:
         """The chunk's gradients, kept for its deferred update (None: they wait on NVMe)."""
