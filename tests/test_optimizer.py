@@ -270,7 +270,8 @@ tieroffload.offload(model, tieroffload.Policy(params="nvme", optimizer="nvme", g
                     nvme_dir=sys.argv[1], device="cpu", cpu_budget="16MiB"))
 tieroffload.load_weights(model, nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])
                          .state_dict())
-opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-3)
+opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-3,
+                            overlap=True if sys.argv[2] == "next-forward" else sys.argv[2])
 x = torch.randn(8, 1024)
 def step():
     loss = model(x).square().mean()
@@ -287,10 +288,11 @@ print(base, peak_rss(), st["budget"], st["overhead"], int(losses[-1] < losses[0]
 """
 
 
-def test_training_memory_stays_under_budget(tmp_path):
+@pytest.mark.parametrize("overlap", ["next-forward", "backward"])
+def test_training_memory_stays_under_budget(overlap, tmp_path):
     """Parameters 64 MiB, Adam state 128 MiB (8x the 16 MiB budget), gradients 64 MiB."""
-    r = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(tmp_path)], capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(tmp_path), overlap],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     base, peak, budget, overhead, learns = map(int, r.stdout.split())
     mib = 1 << 20
