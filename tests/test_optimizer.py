@@ -53,6 +53,30 @@ def train(model, opt, sched, steps, start=0, accumulate=2):
     return losses
 
 
+def adamw_pair(config: str, delay: float, overlap, tmp_path):
+    """A TinyGPT and its offloaded copy, with plain AdamW and the paged one."""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = tieroffload.offload(copy.deepcopy(ref), policy(config, tmp_path),
+                                _io_delay=(lambda: time.sleep(delay)) if delay else None)
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **kw)
+    return ref, model, opt_ref, tieroffload.optimizer(model, torch.optim.AdamW,
+                                                      overlap=overlap, **kw)
+
+
+def assert_same_state(ref, model, opt_ref, opt) -> None:
+    """Parameters and optimizer state equal, bit for bit."""
+    with tieroffload.materialize(model):
+        for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(a, b), n
+    sd, sd_ref = opt.state_dict(), opt_ref.state_dict()
+    assert sd["state"].keys() == sd_ref["state"].keys()
+    for i, st in sd_ref["state"].items():
+        for k, v in st.items():
+            assert torch.equal(sd["state"][i][k], v), (i, k)
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("delay", [0.0, 0.002])
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -63,26 +87,13 @@ def test_twenty_adamw_steps_match_pytorch(config, delay, overlap, tmp_path):
         pytest.skip("no I/O to delay")
     if not overlap and CONFIGS[config][0] != "nvme":
         pytest.skip("updates are deferred only where parameters are paged")
-    torch.manual_seed(0)
-    ref = TinyGPT()
-    model = tieroffload.offload(copy.deepcopy(ref), policy(config, tmp_path),
-                                _io_delay=(lambda: time.sleep(delay)) if delay else None)
-    kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **kw)
-    opt = tieroffload.optimizer(model, torch.optim.AdamW, overlap=overlap, **kw)
+    ref, model, opt_ref, opt = adamw_pair(config, delay, overlap, tmp_path)
     assert opt.overlap == (overlap and CONFIGS[config][0] == "nvme")
     if CONFIGS[config][0] == "nvme":
         assert len(opt.chunks) > 2
     assert train(model, opt, warmup(opt), 20) == train(ref, opt_ref, warmup(opt_ref), 20)
     assert bool(opt._pending) == opt.overlap  # the last step waits for a use
-    with tieroffload.materialize(model):
-        for (n, a), b in zip(ref.named_parameters(), model.parameters()):
-            assert torch.equal(a, b), n
-    sd, sd_ref = opt.state_dict(), opt_ref.state_dict()
-    assert sd["state"].keys() == sd_ref["state"].keys()
-    for i, st in sd_ref["state"].items():
-        for k, v in st.items():
-            assert torch.equal(sd["state"][i][k], v), (i, k)
+    assert_same_state(ref, model, opt_ref, opt)
     if CONFIGS[config][1] == "nvme":
         assert tieroffload.stats(model)["bytes_written"]["nvme"] > 0
     opt.close()
@@ -96,13 +107,7 @@ def test_step_in_backward_matches_pytorch(config, delay, tmp_path):
     final; twenty steps give the same losses, parameters and state as plain PyTorch."""
     if delay and CONFIGS[config][1] != "nvme":
         pytest.skip("no I/O to delay")
-    torch.manual_seed(0)
-    ref = TinyGPT()
-    model = tieroffload.offload(copy.deepcopy(ref), policy(config, tmp_path),
-                                _io_delay=(lambda: time.sleep(delay)) if delay else None)
-    kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **kw)
-    opt = tieroffload.optimizer(model, torch.optim.AdamW, overlap="backward", **kw)
+    ref, model, opt_ref, opt = adamw_pair(config, delay, "backward", tmp_path)
     paged = CONFIGS[config][0] == "nvme"
     sched, sched_ref = warmup(opt), warmup(opt_ref)
     for step in range(20):
@@ -121,13 +126,7 @@ def test_step_in_backward_matches_pytorch(config, delay, tmp_path):
         sched_ref.step()
         opt_ref.zero_grad()
         assert loss.item() == loss_ref.item(), step
-    with tieroffload.materialize(model):
-        for (n, a), b in zip(ref.named_parameters(), model.parameters()):
-            assert torch.equal(a, b), n
-    sd, sd_ref = opt.state_dict(), opt_ref.state_dict()
-    for i, st in sd_ref["state"].items():
-        for k, v in st.items():
-            assert torch.equal(sd["state"][i][k], v), (i, k)
+    assert_same_state(ref, model, opt_ref, opt)
     # a second backward before step() would step the chunks twice: refused
     model(batch(0, 0)).square().mean().backward()
     if paged:
