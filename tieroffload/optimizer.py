@@ -287,6 +287,14 @@ class PagedOptimizer(torch.optim.Optimizer):
         chunk.pending = self.mover.store(chunk.state_unit)
         self._writing.append(chunk)
 
+    def _state_in(self, chunk: _Chunk) -> None:
+        """Makes the chunk's state resident: waits for its last store (the update reads the
+        state back), starts its read unless one is already on its way, and waits for it."""
+        if chunk in self._writing:
+            self._wait(chunk)
+        self._page_in(chunk)
+        self._wait(chunk)
+
     def _drain(self) -> None:
         """Waits for the state stores in flight; their memory goes to the pool."""
         while self._writing:
@@ -372,19 +380,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         del self._ready[i]
         self._stepped.add(i)
         self._sync_groups(chunk)
-        sched = self.offload.scheduler if self.offload.mover is not None else None
         with torch.no_grad():
-            if chunk in self._writing:
-                self._wait(chunk)
-            self._page_in(chunk)
-            self._wait(chunk)
-            if sched is not None:
-                sched.acquire(chunk.units, force=True, record=False)
-            try:
-                self._step_chunk(chunk, None)
-            finally:
-                if sched is not None:
-                    sched.release(chunk.units)
+            self._state_in(chunk)
+            self._step_chunk(chunk, None)  # the step hooks bring the parameters in and out
             for p in chunk.params:
                 p.grad = None
             # The previous chunk's store has had this chunk's backward to finish: its pages go
@@ -429,11 +427,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         sched = self.offload.scheduler if self.offload.mover is not None else None
         for k, i in enumerate(todo):
             chunk = chunks[i]
-            if chunk in self._writing:
-                self._wait(chunk)  # its last store: the update reads the state back
-            if k == 0:
-                self._page_in(chunk)
-            self._wait(chunk)
+            self._state_in(chunk)  # read ahead, except the first
             if sched is not None:  # held while the next chunk is prefetched: it must stay
                 sched.acquire(chunk.units, force=True, record=False)
             try:
