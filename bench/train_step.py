@@ -106,7 +106,8 @@ def main() -> None:
         tieroffload.load_weights(model, RandomWeights(model))
         print(f"streamed random weights to NVMe in {time.perf_counter() - t0:.0f} s")
     opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-4,
-                                overlap="backward" if args.step_in_backward else True)
+                                **({"overlap": "backward", "accumulation_steps": args.accumulate}
+                                   if args.step_in_backward else {}))
     step(model, opt, args, 0)
     base = start_peak(torch.device("cpu"))
     st0 = tieroffload.stats(model)

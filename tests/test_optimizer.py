@@ -53,7 +53,7 @@ def train(model, opt, sched, steps, start=0, accumulate=2):
     return losses
 
 
-def adamw_pair(config: str, delay: float, overlap, tmp_path):
+def adamw_pair(config: str, delay: float, overlap, tmp_path, **opt_kw):
     """A TinyGPT and its offloaded copy, with plain AdamW and the paged one."""
     torch.manual_seed(0)
     ref = TinyGPT()
@@ -62,7 +62,7 @@ def adamw_pair(config: str, delay: float, overlap, tmp_path):
     kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **kw)
     return ref, model, opt_ref, tieroffload.optimizer(model, torch.optim.AdamW,
-                                                      overlap=overlap, **kw)
+                                                      overlap=overlap, **kw, **opt_kw)
 
 
 def assert_same_state(ref, model, opt_ref, opt) -> None:
@@ -100,38 +100,141 @@ def test_twenty_adamw_steps_match_pytorch(config, delay, overlap, tmp_path):
     tieroffload.close(model)
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("delay", [0.0, 0.002])
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_step_in_backward_matches_pytorch(config, delay, tmp_path):
-    """overlap="backward": each chunk steps during backward, as soon as its gradients are
-    final; twenty steps give the same losses, parameters and state as plain PyTorch."""
+def test_step_in_backward_matches_pytorch(config, delay, accumulate, tmp_path):
+    """overlap="backward": each chunk steps during the last micro-batch's backward, as soon
+    as its gradients are final; twenty steps give the same losses, parameters and state as
+    plain PyTorch."""
     if delay and CONFIGS[config][1] != "nvme":
         pytest.skip("no I/O to delay")
-    ref, model, opt_ref, opt = adamw_pair(config, delay, "backward", tmp_path)
+    ref, model, opt_ref, opt = adamw_pair(config, delay, "backward", tmp_path,
+                                          accumulation_steps=accumulate)
     paged = CONFIGS[config][0] == "nvme"
     sched, sched_ref = warmup(opt), warmup(opt_ref)
     for step in range(20):
-        x = batch(step, 0)
-        loss = model(x).float().square().mean()
-        loss.backward()
-        # with paged parameters every chunk has stepped by now, and no gradient is left
-        assert len(opt._stepped) == (len(opt.chunks) if paged else 0)
+        losses, losses_ref = [], []
+        for micro in range(accumulate):
+            loss = model(batch(step, micro)).float().square().mean() / accumulate
+            loss.backward()
+            losses.append(loss.item())
+            # with paged parameters every chunk has stepped after the last micro-batch, and
+            # no gradient is left; none before it
+            last = micro == accumulate - 1
+            assert len(opt._stepped) == (len(opt.chunks) if paged and last else 0)
         assert all(p.grad is None for p in model.parameters()) == paged
         opt.step()
         sched.step()
         opt.zero_grad()
-        loss_ref = ref(x).float().square().mean()
-        loss_ref.backward()
+        for micro in range(accumulate):
+            loss_ref = ref(batch(step, micro)).float().square().mean() / accumulate
+            loss_ref.backward()
+            losses_ref.append(loss_ref.item())
         opt_ref.step()
         sched_ref.step()
         opt_ref.zero_grad()
-        assert loss.item() == loss_ref.item(), step
+        assert losses == losses_ref, step
     assert_same_state(ref, model, opt_ref, opt)
-    # a second backward before step() would step the chunks twice: refused
-    model(batch(0, 0)).square().mean().backward()
+    # one backward more than accumulation_steps before step() would step the chunks twice
+    for micro in range(accumulate):
+        model(batch(0, micro)).square().mean().backward()
     if paged:
-        with pytest.raises(RuntimeError, match="no gradient accumulation"):
-            model(batch(0, 1)).square().mean().backward()
+        with pytest.raises(RuntimeError, match="accumulation_steps"):
+            model(batch(0, 9)).square().mean().backward()
+    opt.close()
+    tieroffload.close(model)
+
+
+def test_step_in_backward_early_step(tmp_path):
+    """A step() after fewer micro-batches than accumulation_steps (an epoch's end) steps what
+    was accumulated, as plain PyTorch does, and the next steps count afresh."""
+    ref, model, opt_ref, opt = adamw_pair("nvme-nvme-grads", 0.0, "backward", tmp_path,
+                                          accumulation_steps=3)
+    for m, o in ((model, opt), (ref, opt_ref)):
+        for step, micros in enumerate((3, 1, 3, 2)):
+            for micro in range(micros):
+                m(batch(step, micro)).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert_same_state(ref, model, opt_ref, opt)
+    opt.close()
+    tieroffload.close(model)
+
+
+def test_step_in_backward_under_autobatch(tmp_path):
+    """AutoBatch tells the in-backward step how many micro-batches each batch has (two, then
+    one as the micro-batch grows): the same training as AutoBatch with plain AdamW."""
+    ref, model, opt_ref, opt = adamw_pair("nvme-nvme-grads", 0.0, "backward", tmp_path)
+    runs = []
+    for m, o in ((model, opt), (ref, opt_ref)):
+        auto = tieroffload.AutoBatch(4, "1TiB", start=2, model=m, optimizer=o, device="cpu")
+        losses, micros = [], []
+        for step in range(4):
+            x = torch.cat([batch(step, 0), batch(step, 1)])
+            loss = auto.backward(lambda part, m=m: m(part).float().square().mean(), x)
+            losses.append(loss.item())
+            micros.append(auto.micro)
+            if o is opt:  # every chunk stepped in the batch's last backward
+                assert opt.stepped_in_backward and len(opt._stepped) == len(opt.chunks)
+            o.step()
+            o.zero_grad()
+        runs.append((losses, micros))
+    assert runs[0] == runs[1]
+    assert runs[0][1][0] == 4 and opt.accumulation_steps == 1  # it grew from 2
+    assert_same_state(ref, model, opt_ref, opt)
+    opt.close()
+    tieroffload.close(model)
+
+
+def test_step_in_backward_out_of_memory_is_not_redone(tmp_path):
+    """An out-of-memory error in the last backward, after chunks have stepped, cannot be
+    redone by AutoBatch: it says so instead of stepping them twice."""
+    _, model, _, opt = adamw_pair("nvme-nvme-grads", 0.0, "backward", tmp_path)
+    auto = tieroffload.AutoBatch(4, "1TiB", start=2, model=model, optimizer=opt, device="cpu")
+    calls = []
+
+    def fail_in_last_backward(grad):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("injected")
+    next(model.parameters()).register_hook(fail_in_last_backward)  # the last grad backward makes
+    x = torch.cat([batch(0, 0), batch(0, 1)])
+    with pytest.raises(MemoryError, match="cannot be redone"):
+        auto.backward(lambda part: model(part).float().square().mean(), x)
+    opt.close()
+    tieroffload.close(model)
+
+
+@pytest.mark.parametrize("overlap", [True, "backward"])
+def test_backward_that_raised_leaves_no_trace(overlap, tmp_path):
+    """A backward that raises midway (an out-of-memory error that AutoBatch redoes) never
+    reaches its end-of-backward callback, and may leave a unit with some of its gradients:
+    after zero_grad, the next backwards count afresh (every unit's gradients paged once all
+    are in, each chunk stepped once) and training goes on as if it had not run."""
+    kw = {"accumulation_steps": 2} if overlap == "backward" else {}
+    ref, model, opt_ref, opt = adamw_pair("nvme-nvme-grads", 0.0, overlap, tmp_path, **kw)
+    fc = model.blocks[1].mlp[0]
+    failing = [True]
+
+    def fail_once(grad):
+        if failing and failing.pop():
+            raise torch.OutOfMemoryError("injected")
+    fc.weight.register_hook(fail_once)
+    with pytest.raises(torch.OutOfMemoryError):
+        model(batch(0, 0)).float().square().mean().backward()
+    opt.zero_grad()
+    for m, o in ((model, opt), (ref, opt_ref)):
+        for step in range(3):
+            for micro in range(2):
+                m(batch(step, micro)).float().square().mean().backward()
+                if m is model:
+                    assert all(p.grad is None for p in model.parameters())
+            if m is model and overlap == "backward":
+                assert len(opt._stepped) == len(opt.chunks)
+            o.step()
+            o.zero_grad()
+    assert_same_state(ref, model, opt_ref, opt)
     opt.close()
     tieroffload.close(model)
 
@@ -142,6 +245,10 @@ def test_step_in_backward_refuses_loss_scaling(tmp_path):
         tieroffload.optimizer(model, torch.optim.AdamW, overlap="backward", loss_scale=1024.0)
     with pytest.raises(ValueError, match="overlap must be"):
         tieroffload.optimizer(model, torch.optim.AdamW, overlap="later")
+    with pytest.raises(ValueError, match="accumulation_steps is for"):
+        tieroffload.optimizer(model, torch.optim.AdamW, accumulation_steps=2)
+    with pytest.raises(ValueError, match="accumulation_steps must be"):
+        tieroffload.optimizer(model, torch.optim.AdamW, overlap="backward", accumulation_steps=0)
     tieroffload.close(model)
 
 
@@ -269,12 +376,14 @@ tieroffload.offload(model, tieroffload.Policy(params="nvme", optimizer="nvme", g
                     nvme_dir=sys.argv[1], device="cpu", cpu_budget="16MiB"))
 tieroffload.load_weights(model, nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])
                          .state_dict())
-opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-3,
-                            overlap=True if sys.argv[2] == "next-forward" else sys.argv[2])
-x = torch.randn(8, 1024)
-def step():
-    loss = model(x).square().mean()
-    loss.backward()
+backward = sys.argv[2] == "backward"
+opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-3, overlap="backward" if backward
+                            else True, **({"accumulation_steps": 2} if backward else {}))
+xs = torch.randn(2, 8, 1024)
+def step():  # two micro-batches: the first one's gradients wait on NVMe
+    for x in xs:
+        loss = model(x).square().mean()
+        loss.backward()
     opt.step()
     opt.zero_grad()
     return loss.item()
@@ -289,7 +398,8 @@ print(base, peak_rss(), st["budget"], st["overhead"], int(losses[-1] < losses[0]
 
 @pytest.mark.parametrize("overlap", ["next-forward", "backward"])
 def test_training_memory_stays_under_budget(overlap, tmp_path):
-    """Parameters 64 MiB, Adam state 128 MiB (8x the 16 MiB budget), gradients 64 MiB."""
+    """Parameters 64 MiB, Adam state 128 MiB (8x the 16 MiB budget), gradients 64 MiB;
+    gradient accumulation 2."""
     r = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(tmp_path), overlap],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr

@@ -117,6 +117,8 @@ class AutoBatch:
     def _run(self, fn: Callable[[Any], torch.Tensor], batch: Any, n: int) -> torch.Tensor:
         total = None
         m = self.micro
+        if getattr(self.optimizer, "overlap", None) == "backward":  # steps in the last backward
+            self.optimizer.accumulation_steps = math.ceil(n / m)
         for a in range(0, n, m):
             part = tree_map(lambda t, a=a: t[a:a + m] if isinstance(t, torch.Tensor) else t,
                             batch)
@@ -132,6 +134,12 @@ class AutoBatch:
         if self.micro == 1:
             raise MemoryError(f"a micro-batch of 1 sample runs out of memory under budget "
                               f"{self.budget} bytes ({format_bytes(self.budget)})") from e
+        if getattr(self.optimizer, "stepped_in_backward", False):
+            raise MemoryError(
+                f"out of memory at a micro-batch of {self.micro} samples, after the optimizer "
+                'had stepped part of the model during backward (overlap="backward"): a step '
+                "half taken cannot be redone; give AutoBatch a smaller start or budget, or use "
+                "overlap=True") from e
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         elif self.model is not None:

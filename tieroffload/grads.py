@@ -109,6 +109,24 @@ class GradPager:
             for p, seg, h in zip(self._grad_params(u), g.segments, self.has[u.id]):
                 p.grad = seg.param.data if h else None
 
+    def merge(self, u: Unit) -> None:
+        """For a step during the last micro-batch's backward: adds what earlier micro-batches
+        stored to the unit's fresh gradients (``stored + new``, as ``page_out``), in memory;
+        ``p.grad`` is then the sum, and nothing of the unit counts as stored any more."""
+        if not any(self.has.get(u.id, ())):
+            return
+        params = self._grad_params(u)
+        fresh = [p.grad for p in params]
+        self.bring_in([u])
+        for p, f in zip(params, fresh):
+            if f is None:
+                continue
+            if p.grad is None:
+                p.grad = f
+            else:
+                p.grad.add_(f)
+        self.has[u.id] = [False] * len(params)
+
     def consume(self, units: list[Unit]) -> None:
         """After the step: the gradients are used up."""
         for u in units:
@@ -125,6 +143,9 @@ class GradPager:
         """Forgets the stored gradients, except those of ``keep`` (a deferred step's)."""
         self.flush()
         kept = {u.id for u in keep}
+        for uid in [uid for uid in self.incoming if uid not in kept]:  # reads of what is dropped
+            timed_wait(self.incoming.pop(uid), self.stats)
+            self.buffers[uid].free(self.pool)
         for uid in self.has:
             if uid not in kept:
                 self.has[uid] = [False] * len(self.has[uid])

@@ -67,7 +67,7 @@ class OffloadState:
         self.stats = Stats()
         self._handles: list[Any] = []
         self._bwd_pins: dict[int, int] = {}
-        self._bwd_callback_queued = False
+        self._bwd_task: int | None = None  # the backward whose end-of-backward callback waits
         self._opt_pins: dict[int, list[Unit]] = {}
         self._grads_seen: dict[int, int] = {}
         self._deferred: list[Unit] = []  # units whose gradients wait for the end of backward
@@ -370,8 +370,13 @@ class OffloadState:
         return hook
 
     def _pre_backward(self, units: list[Unit]) -> None:
-        if not self._bwd_callback_queued:
-            self._bwd_callback_queued = True
+        task = torch._C._current_graph_task_id()
+        if task != self._bwd_task:
+            if self._bwd_task is not None:  # the last backward raised: its callback never ran
+                self._grads_seen.clear()
+                self._deferred.clear()
+                self._release_bwd_pins()
+            self._bwd_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self.scheduler.acquire(units)
         for u in units:
@@ -406,18 +411,23 @@ class OffloadState:
                 self.grads.page_out(u)
 
     def _end_backward(self) -> None:
-        self._bwd_callback_queued = False
+        self._bwd_task = None
         for uid, seen in self._grads_seen.items():
             if seen:  # some parameters of the unit got no gradient this time
                 self._grads_ready(self.units[uid])
         self._grads_seen.clear()
-        for uid, n in self._bwd_pins.items():
-            self.scheduler.release([self.units[uid]] * n)
-        self._bwd_pins.clear()
+        for opt in list(self.optimizers):
+            opt.backward_done()
+        self._release_bwd_pins()
         if self._deferred:
             # Queued from a callback, this runs after every callback queued during backward,
             # DDP's (which writes the reduced gradients) included.
             torch.autograd.Variable._execution_engine.queue_callback(self._page_deferred)
+
+    def _release_bwd_pins(self) -> None:
+        for uid, n in self._bwd_pins.items():
+            self.scheduler.release([self.units[uid]] * n)
+        self._bwd_pins.clear()
 
     def _page_deferred(self) -> None:
         units, self._deferred = self._deferred, []

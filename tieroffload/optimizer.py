@@ -87,7 +87,8 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, opt_cls: type[torch.optim.Optimizer],
                  params: Iterable | None, kwargs: dict[str, Any],
-                 loss_scale: str | float | None = "auto", overlap: bool | str = True) -> None:
+                 loss_scale: str | float | None = "auto", overlap: bool | str = True,
+                 accumulation_steps: int = 1) -> None:
         self.offload: OffloadState = _state(model)
         policy = self.offload.policy
         self.tier = policy.optimizer
@@ -134,6 +135,14 @@ class PagedOptimizer(torch.optim.Optimizer):
                 'overlap="backward" steps each chunk as soon as its gradients are final, so it '
                 "cannot wait for a check of every gradient (fp16 loss scaling) or for other "
                 "ranks' gradients (DDP, FSDP): use overlap=True")
+        if not (isinstance(accumulation_steps, int) and accumulation_steps >= 1):
+            raise ValueError(f"accumulation_steps must be an int >= 1, not {accumulation_steps!r}")
+        if accumulation_steps != 1 and overlap != "backward":
+            raise ValueError(
+                'accumulation_steps is for overlap="backward", which must know which backward '
+                "is the last before step(); otherwise gradients accumulate until step() anyway")
+        self.accumulation_steps = accumulation_steps
+        self._backwards = 0  # overlap="backward": backward passes since the last step()
         # Deferred steps (see step): only where the parameters are paged, so that nothing
         # reads them between step() and the next use, which applies the update first.
         self.overlap = overlap if overlap == "backward" else (
@@ -320,6 +329,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.settle()  # what a previous step left, before new gradients are taken
+        self._backwards = 0
         for shard in self.offload.shards:
             shard.pull_grad()
         chunks = self.chunks
@@ -336,8 +346,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             for i in todo:
                 self._sync_groups(chunks[i])
             self._run(todo, None)
-            if chunks:  # the chunk that backward steps first: its state comes in meanwhile
-                self._page_in(chunks[-1])
+            if chunks and self.accumulation_steps == 1:
+                self._bring_in(chunks[-1])  # the chunk that backward steps first
             return loss
         for chunk in chunks:  # the hyperparameters (a scheduler's lr) of this step
             self._sync_groups(chunk)
@@ -361,17 +371,23 @@ class PagedOptimizer(torch.optim.Optimizer):
         return loss
 
     def grads_ready(self, u: Unit) -> bool:
-        """With ``overlap="backward"``: steps the chunk that holds ``u`` once all of its units
-        have their gradients, while backward goes on with earlier layers; then starts reading
-        the state of the chunk that backward reaches next. True when ``u``'s gradients are
-        taken here (held in memory until the chunk steps): they are not paged out."""
+        """With ``overlap="backward"``, in the last backward of ``accumulation_steps``: steps
+        the chunk that holds ``u`` once all of its units have their gradients, while backward
+        goes on with earlier layers; then starts reading the state (and the gradients earlier
+        micro-batches stored) of the chunk that backward reaches next. True when ``u``'s
+        gradients are taken here (held in memory until the chunk steps): they are not paged."""
         i = self._unit_chunk.get(u.id)
-        if self.overlap != "backward" or i is None:
+        if (self.overlap != "backward" or i is None
+                or self._backwards + 1 < self.accumulation_steps):
             return False
         if i in self._stepped:
             raise RuntimeError(
-                'tieroffload: overlap="backward" steps each chunk during backward, so step() '
-                "must follow every backward (no gradient accumulation); use overlap=True")
+                f'tieroffload: overlap="backward" steps each chunk during backward number '
+                f"{self.accumulation_steps} (accumulation_steps) after a step(), so step() must "
+                "follow it; pass accumulation_steps=N for N micro-batches, or use overlap=True")
+        grads = self.offload.grads
+        if grads is not None:
+            grads.merge(u)
         chunk = self.chunks[i]
         ready = self._ready.setdefault(i, set())
         ready.add(u.id)
@@ -385,14 +401,34 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._step_chunk(chunk, None)  # the step hooks bring the parameters in and out
             for p in chunk.params:
                 p.grad = None
+            self._consume_grads(chunk)
             # The previous chunk's store has had this chunk's backward to finish: its pages go
             # to the state read next (backward runs from the last chunk); this chunk's store
             # then has the next chunk's backward.
             self._drain()
             if i > 0 and i - 1 not in self._stepped:
-                self._page_in(self.chunks[i - 1])
+                self._bring_in(self.chunks[i - 1])
             self._page_out(chunk)
         return True
+
+    @property
+    def stepped_in_backward(self) -> bool:
+        """True when chunks have stepped during backward and ``step()`` has not followed."""
+        return bool(self._stepped)
+
+    def backward_done(self) -> None:
+        """Counts backward passes; before the last one the first chunk it steps starts in."""
+        self._backwards += 1
+        if (self.overlap == "backward" and self._backwards + 1 == self.accumulation_steps
+                and self.chunks):
+            self._bring_in(self.chunks[-1])
+
+    def _bring_in(self, chunk: _Chunk) -> None:
+        """Starts reading what an in-backward step of ``chunk`` needs from NVMe: its state, and
+        its gradients from earlier micro-batches."""
+        self._page_in(chunk)
+        if self.offload.grads is not None:
+            self.offload.grads.start_bring_in(chunk.units)
 
     def _take_grads(self, chunk: _Chunk) -> list[torch.Tensor | None] | None:
         """The chunk's gradients, kept for its deferred update (None: they wait on NVMe)."""
@@ -504,6 +540,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         return 0 if self.scaler is None else self.scaler.skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._backwards = 0  # what was accumulated is gone
+        self._ready.clear()
         if self.offload.grads is not None:  # deferred updates keep the gradients they took
             self.offload.grads.clear(keep=[u for i in self._pending for u in self.chunks[i].units])
         for shard in self.offload.shards:
@@ -609,7 +647,8 @@ class _Resident:
 
 def optimizer(model: nn.Module, opt_cls: type[torch.optim.Optimizer],
               params: Iterable | None = None, *, loss_scale: str | float | None = "auto",
-              overlap: bool | str = True, **kwargs: Any) -> PagedOptimizer:
+              overlap: bool | str = True, accumulation_steps: int = 1,
+              **kwargs: Any) -> PagedOptimizer:
     """A ``torch.optim.Optimizer`` over an offloaded model whose state lives in
     ``policy.optimizer`` ("cpu" or "nvme"; "gpu" with CUDA compute) and is stepped in chunks.
     ``params``: param groups as torch accepts them (default: all of the model's).
@@ -621,11 +660,13 @@ def optimizer(model: nn.Module, opt_cls: type[torch.optim.Optimizer],
     skipped (``opt.skipped_steps``). ``overlap``: defer each chunk's update to the next use of
     its parameters (see ``PagedOptimizer.step``); ``"backward"`` steps each chunk during
     backward, as soon as its gradients are final (single process, no loss scaling, and no
-    gradient accumulation or clipping between backward and ``step()``, which then only steps
-    what got no gradient): its I/O then overlaps backward's compute, and gradients never go to
-    NVMe."""
+    clipping between backward and ``step()``, which then only steps what got no gradient): its
+    I/O then overlaps backward's compute, and the last micro-batch's gradients never go to
+    NVMe. With gradient accumulation, ``accumulation_steps`` says how many backward passes
+    make one step: the chunks step during the last of them."""
     if not (isinstance(opt_cls, type) and issubclass(opt_cls, torch.optim.Optimizer)):
         raise TypeError(f"opt_cls must be a torch.optim.Optimizer class, not {opt_cls!r}")
     if params is not None:
         params = list(params)
-    return PagedOptimizer(model, opt_cls, params, kwargs, loss_scale, overlap)
+    return PagedOptimizer(model, opt_cls, params, kwargs, loss_scale, overlap,
+                          accumulation_steps)
