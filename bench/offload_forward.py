@@ -7,8 +7,10 @@ bytes. Every offloaded run starts with a cold page cache.
 
 Reports tieroffload / max(compute, I/O) and Accelerate / tieroffload for each batch size. The
 I/O bound is the pure read time scaled to the bytes tieroffload read in that pass: a training
-step reads the weights twice (forward, backward), and a pass may start with the units that the
-end of the previous one prefetched along the recorded order. The "overlap" column runs the
+step reads the weights twice (forward, backward), and a pass starts with the units that the end
+of the previous one kept or prefetched along the recorded order. Those reads are timed in the
+pass that started them (it waits for them before its clock stops), so that no pass gets a head
+start from the pause between timed runs. The "overlap" column runs the
 resident compute and a pure read of those bytes at the same time, with no scheduling at all:
 on a machine with few cores the two slow each other down, and this is the floor that perfect
 overlap would reach there (tieroffload / overlap).
@@ -55,6 +57,14 @@ def run_model(model: nn.Module, x: torch.Tensor, train: bool) -> None:
     else:
         with torch.no_grad():
             model(x)
+    state = getattr(model, "_tieroffload", None)
+    if state is not None:
+        # The reads this pass started for the next one (its first units, prefetched along the
+        # recorded order) are done in this pass's time, as its bytes-read figure counts them:
+        # the next pass gets no head start from the pause between timed runs.
+        for u in state.units:
+            if u.ticket is not None:
+                u.ticket.wait()
 
 
 class IOFloor:
