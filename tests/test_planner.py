@@ -132,15 +132,24 @@ def test_predicted_step_time_is_close_to_the_measured_one(machine, tmp_path):
     assert predicted.index(max(predicted)) == measured.index(max(measured)) == 2, ratios
 
 
-def test_predicted_bytes_match_the_moved_ones(machine, profiles, tmp_path):
+@pytest.mark.parametrize("overlap", [True, "backward"])
+def test_predicted_bytes_match_the_moved_ones(overlap, machine, profiles, tmp_path):
     build, sample = shape("deep")
     prof = profiles["deep"]
     p = Policy(device="cpu", params="nvme", optimizer="nvme", grads="nvme",
                activations="nvme", nvme_dir=str(tmp_path), cpu_budget=4 * prof.largest_unit,
                activation_threshold="1MiB")
-    pred, got = predict(p, prof, machine), measure(build, sample, p, steps=1)
+    pred = predict(p, prof, machine, overlap)
+    got = measure(build, sample, p, steps=1, overlap=overlap)
     assert got.bytes_read == pytest.approx(pred.bytes_read, rel=0.15)
     assert got.bytes_written == pytest.approx(pred.bytes_written, rel=0.15)
+    if overlap == "backward":
+        # the gradients wait for their chunk's step instead of a round trip to NVMe, and the
+        # step's work joins backward's
+        default = predict(p, prof, machine)
+        assert default.bytes_read - pred.bytes_read == prof.param_bytes
+        assert default.bytes_written - pred.bytes_written == prof.param_bytes
+        assert pred.phases["step"] == 0 and pred.step_s < default.step_s
 
 
 def test_auto_refuses_with_the_numbers(machine, profiles, tmp_path):

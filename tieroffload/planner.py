@@ -261,9 +261,11 @@ class Prediction:
     bottleneck: str
 
 
-def predict(policy: Policy, profile: Profile, machine: Machine) -> Prediction:
+def predict(policy: Policy, profile: Profile, machine: Machine,
+            overlap: bool | str = True) -> Prediction:
     """Step time and peak memory of one training step (forward, backward, paged AdamW step)
-    under ``policy``."""
+    under ``policy``, with the paged optimizer's ``overlap`` (``"backward"``: each chunk steps
+    during backward, where parameters are paged)."""
     cuda = policy.compute_device().type == "cuda"
     P, n = profile.param_bytes, profile.params
     G = P
@@ -272,6 +274,7 @@ def predict(policy: Policy, profile: Profile, machine: Machine) -> Prediction:
     R, W = machine.read_gbps * 1e9, machine.write_gbps * 1e9
     budget = _param_budget(policy, profile)
     spill = policy.params == "nvme" and P > budget
+    in_backward = overlap == "backward" and policy.pages_params
 
     # Bytes per phase: (read, written) on NVMe.
     fwd = [0, 0]
@@ -288,7 +291,7 @@ def predict(policy: Policy, profile: Profile, machine: Machine) -> Prediction:
     if policy.activations == "nvme":
         fwd[1] += A
         bwd[0] += A
-    if policy.grads == "nvme":
+    if policy.grads == "nvme" and not in_backward:  # in backward, they wait for their step
         bwd[1] += G
         step[0] += G
     if policy.optimizer == "nvme":
@@ -297,9 +300,12 @@ def predict(policy: Policy, profile: Profile, machine: Machine) -> Prediction:
     phases = {}
     depth = _prefetch_units(policy, profile)
     unit = P / max(profile.units, 1)
-    for name, compute, (r, w) in (("forward", profile.forward_s, fwd),
-                                  ("backward", profile.backward_s, bwd),
-                                  ("step", profile.optimizer_s, step)):
+    work = [("forward", profile.forward_s, fwd), ("backward", profile.backward_s, bwd),
+            ("step", profile.optimizer_s, step)]
+    if in_backward:  # each chunk steps in backward's hooks: the step's work joins backward's
+        work[1:] = [("backward", profile.backward_s + profile.optimizer_s,
+                     [bwd[0] + step[0], bwd[1] + step[1]]), ("step", 0.0, [0, 0])]
+    for name, compute, (r, w) in work:
         io = r / R + w / W
         cpu = 0.0 if cuda else (r + w) * machine.io_cost
         first = profile.largest_unit / R if name != "backward" and (r or w) else 0.0
@@ -397,6 +403,7 @@ class Plan:
     fitting: int
     naive: Prediction | None = None
     trials: tuple[tuple[Policy, Measured], ...] = ()  # the placements measured, if any
+    in_backward: Prediction | None = None  # the same with the optimizer's overlap="backward"
 
     def explain(self) -> str:
         p, pr, prof = self.policy, self.prediction, self.profile
@@ -426,6 +433,13 @@ class Plan:
                 for tier, v in pr.peak.items() if v or self.budgets.get(tier)),
             f"searched {self.candidates} placements, {self.fitting} fit the budgets",
         ]
+        ib = self.in_backward
+        if ib is not None and ib.step_s < pr.step_s:
+            lines.append(f'with tieroffload.optimizer(..., overlap="backward") (each chunk steps '
+                         f"during backward: single process, no loss scaling, no clipping): "
+                         f"{ib.step_s:.3f} s predicted ({pr.step_s / ib.step_s:.2f}x faster), "
+                         f"NVMe {format_bytes(ib.bytes_read)} read and "
+                         f"{format_bytes(ib.bytes_written)} written per step")
         if self.naive is not None:
             lines.append(f"all on NVMe would take {self.naive.step_s:.3f} s "
                          f"({self.naive.step_s / pr.step_s:.2f}x this)")
@@ -536,8 +550,9 @@ def auto(model: nn.Module, *, sample: Sample, gpu_budget: int | str | None = Non
         naive_pol = dataclasses.replace(pol, params="nvme", optimizer="nvme", grads="nvme",
                                         activations="nvme")
         naive = predict(naive_pol, profile, machine)
+    in_backward = predict(pol, profile, machine, "backward") if pol.pages_params else None
     object.__setattr__(pol, "plan", Plan(pol, pr, budgets, profile, machine, tried, fit, naive,
-                                         tuple(measured)))
+                                         tuple(measured), in_backward))
     return pol
 
 
@@ -564,11 +579,11 @@ class Measured:
 
 
 def measure(build: Callable[[], nn.Module], sample: Sample, policy: Policy, steps: int = 3,
-            lr: float = 1e-4) -> Measured:
+            lr: float = 1e-4, overlap: bool | str = True) -> Measured:
     """Builds a model, offloads it under ``policy``, and times ``steps`` AdamW training steps
-    after two warm-ups (the first makes the optimizer state; the paged optimizer applies it in
-    the second's forward); peak memory is measured above the process before the model was
-    built."""
+    (the paged optimizer, with ``overlap``) after two warm-ups (the first makes the optimizer
+    state; the paged optimizer applies it in the second's forward); peak memory is measured
+    above the process before the model was built."""
     from .offload import close, offload, stats
     from .optimizer import optimizer
 
@@ -579,7 +594,7 @@ def measure(build: Callable[[], nn.Module], sample: Sample, policy: Policy, step
     if base is None:
         raise RuntimeError("measuring peak memory needs /proc/self/clear_refs")
     model = offload(build(), policy)
-    opt = optimizer(model, torch.optim.AdamW, lr=lr)
+    opt = optimizer(model, torch.optim.AdamW, lr=lr, overlap=overlap)
     times, losses = [], []
     try:
         for i in range(steps + 2):
