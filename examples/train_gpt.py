@@ -32,6 +32,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--accumulate", type=int, default=2, help="micro-batches per step")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help='overlap="backward": each chunk steps during the last micro-batch\'s '
+                        "backward, as soon as its gradients are final")
     args = p.parse_args()
 
     created = not os.path.isdir(args.dir)
@@ -42,7 +45,9 @@ def main() -> None:
     policy = tieroffload.Policy(params="nvme", optimizer="nvme", grads="nvme",
                                 nvme_dir=args.dir, device="cpu", cpu_budget=args.budget)
     tieroffload.offload(model, policy)
-    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
+    in_backward = {"overlap": "backward", "accumulation_steps": args.accumulate}
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1,
+                                **(in_backward if args.step_in_backward else {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     print(f"GPT {args.layers}x{args.d}: {nparams / 1e6:.1f} M parameters, training state "
           f"{format_bytes(16 * nparams)} (params, grads, AdamW) on NVMe in {args.dir}/, "
