@@ -104,6 +104,36 @@ def test_ten_adamw_steps_same_losses(name, tier, tmp_path, caplog):
     tieroffload.close(model)
 
 
+def test_plain_optimizer_gets_gradients_paged_to_nvme(tmp_path):
+    """With grads="nvme", p.grad is None outside a step: a plain torch optimizer's step brings
+    them in (the sum of two micro-batches) and uses them up, as the paged optimizer does."""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        params="nvme", grads="nvme", nvme_dir=str(tmp_path), device="cpu", cpu_budget="80KiB"))
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        xs = [MODELS["gpt"][1](g) for _ in range(2)]
+        losses = []
+        for m, o in ((ref, opt_ref), (model, opt)):
+            for x in xs:
+                loss = loss_of(m(x)) / 2
+                loss.backward()
+                losses.append(loss.item())
+            if m is model:
+                assert all(p.grad is None for p in model.parameters())  # on NVMe
+            o.step()
+            o.zero_grad()
+        assert losses[:2] == losses[2:]
+    assert all(p.grad is None for p in model.parameters())
+    with tieroffload.materialize(model):
+        for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(a, b), n
+    tieroffload.close(model)
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.003])
 def test_injected_io_delays_do_not_change_results(tmp_path, delay):
     """Thin layers and a batch of one: compute is far quicker than the (delayed) I/O, so a

@@ -68,7 +68,7 @@ class OffloadState:
         self._handles: list[Any] = []
         self._bwd_pins: dict[int, int] = {}
         self._bwd_task: int | None = None  # the backward whose end-of-backward callback waits
-        self._opt_pins: dict[int, list[Unit]] = {}
+        self._opt_pins: dict[int, tuple[list[Unit], bool]] = {}  # optimizer -> units, grads
         self._grads_seen: dict[int, int] = {}
         self._deferred: list[Unit] = []  # units whose gradients wait for the end of backward
         self._defer_grads = False
@@ -454,14 +454,21 @@ class OffloadState:
                         "steps in chunks instead", type(optimizer).__name__, format_bytes(total),
                         format_bytes(self.budget))
         self.scheduler.acquire(units, force=True, record=False)
-        self._opt_pins[id(optimizer)] = units
+        # A plain optimizer sees gradients paged to NVMe only if they come in for its step (a
+        # paged optimizer's chunks get theirs from it).
+        grads = self.grads is not None and not getattr(optimizer, "_tieroffload_inner", False)
+        if grads:
+            self.grads.bring_in(units)
+        self._opt_pins[id(optimizer)] = (units, grads)
 
     def step_end(self, optimizer: torch.optim.Optimizer) -> None:
-        units = self._opt_pins.pop(id(optimizer), None)
+        units, grads = self._opt_pins.pop(id(optimizer), ([], False))
         if not units:
             return
         for u in units:
             u.dirty = True
+        if grads:  # used up, as the paged optimizer's step uses them up
+            self.grads.consume(units)
         self.scheduler.release(units)
         self.scheduler.trim()
 
