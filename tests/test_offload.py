@@ -134,6 +134,41 @@ def test_plain_optimizer_gets_gradients_paged_to_nvme(tmp_path):
     tieroffload.close(model)
 
 
+def test_autobatch_redo_drops_gradients_stored_on_nvme(tmp_path):
+    """An out-of-memory error in backward leaves gradients of the failed step on NVMe, which a
+    plain optimizer's zero_grad cannot reach: AutoBatch drops them before it redoes the step
+    in smaller micro-batches, and training matches plain PyTorch doing the same."""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        params="nvme", grads="nvme", nvme_dir=str(tmp_path), device="cpu", cpu_budget="80KiB"))
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.cat([MODELS["gpt"][1](g) for _ in range(2)]) for _ in range(3)]
+    runs = []
+    for m in (ref, model):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        calls = []
+
+        def fail_in_second_backward(grad, calls=calls):
+            calls.append(1)
+            if len(calls) == 2:  # the first step's second micro-batch: the first is stored
+                raise torch.OutOfMemoryError("injected")
+        next(m.parameters()).register_hook(fail_in_second_backward)
+        auto = tieroffload.AutoBatch(4, "1TiB", start=2, model=m, optimizer=opt, device="cpu")
+        losses = []
+        for x in batches:
+            losses.append(auto.backward(lambda part, m=m: loss_of(m(part)), x).item())
+            opt.step()
+            opt.zero_grad()
+        assert auto.ooms == 1
+        runs.append(losses)
+    assert runs[0] == runs[1]
+    with tieroffload.materialize(model):
+        for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(a, b), n
+    tieroffload.close(model)
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.003])
 def test_injected_io_delays_do_not_change_results(tmp_path, delay):
     """Thin layers and a batch of one: compute is far quicker than the (delayed) I/O, so a

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import memory
+from .offload import drop_stored_grads
 from .sizes import format_bytes, parse_bytes
 
 log = logging.getLogger("tieroffload")
@@ -142,12 +143,16 @@ class AutoBatch:
                 "overlap=True") from e
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
+            params = [] if getattr(self.optimizer, "_tieroffload_paged", False) else [
+                p for g in self.optimizer.param_groups for p in g["params"]]
         elif self.model is not None:
-            for p in self.model.parameters():
+            params = list(self.model.parameters())
+            for p in params:
                 p.grad = None
         else:
             raise RuntimeError("AutoBatch met out-of-memory mid-step and cannot clear the "
                                "gradients: pass model= or optimizer=") from e
+        drop_stored_grads(params)  # what the failed step left on NVMe (grads="nvme")
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -139,17 +139,18 @@ class GradPager:
             self.has[u.id] = [False] * len(self.has[u.id])
             self.finite.pop(u.id, None)
 
-    def clear(self, keep: list[Unit] = ()) -> None:
-        """Forgets the stored gradients, except those of ``keep`` (a deferred step's)."""
+    def clear(self, units: list[Unit] | None = None, keep: list[Unit] = ()) -> None:
+        """Forgets the stored gradients of ``units`` (all: None), except those of ``keep`` (a
+        deferred step's): what zero_grad means for gradients that ``p.grad`` does not show."""
         self.flush()
-        kept = {u.id for u in keep}
-        for uid in [uid for uid in self.incoming if uid not in kept]:  # reads of what is dropped
-            timed_wait(self.incoming.pop(uid), self.stats)
-            self.buffers[uid].free(self.pool)
-        for uid in self.has:
-            if uid not in kept:
-                self.has[uid] = [False] * len(self.has[uid])
-                self.finite.pop(uid, None)
+        ids = set(self.has) if units is None else {u.id for u in units} & self.has.keys()
+        ids -= {u.id for u in keep}
+        for uid in ids:
+            if uid in self.incoming:  # a read of what is dropped
+                timed_wait(self.incoming.pop(uid), self.stats)
+                self.buffers[uid].free(self.pool)
+            self.has[uid] = [False] * len(self.has[uid])
+            self.finite.pop(uid, None)
 
     def close(self) -> None:
         self.flush()

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
 import torch
@@ -658,6 +658,17 @@ def close(model: nn.Module, restore: bool = True) -> None:
     (see OffloadState.close)."""
     _state(model).close(restore)
     model._tieroffload = None
+
+
+def drop_stored_grads(params: Iterable[torch.Tensor]) -> None:
+    """Forgets the gradients of ``params`` that wait on NVMe (``grads="nvme"``), which
+    ``p.grad`` does not show: a plain optimizer's ``zero_grad`` cannot reach them (a paged
+    optimizer's does)."""
+    ids = {id(p) for p in params}
+    for s in list(_live):
+        if s.grads is not None:
+            units = {s.param_unit[i].id: s.param_unit[i] for i in ids if i in s.param_unit}
+            s.grads.clear(list(units.values()))
 
 
 def _step_pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

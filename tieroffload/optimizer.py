@@ -543,7 +543,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._backwards = 0  # what was accumulated is gone
         self._ready.clear()
         if self.offload.grads is not None:  # deferred updates keep the gradients they took
-            self.offload.grads.clear(keep=[u for i in self._pending for u in self.chunks[i].units])
+            self.offload.grads.clear([u for c in self.chunks for u in c.units],
+                                     keep=[u for i in self._pending for u in self.chunks[i].units])
         for shard in self.offload.shards:
             shard.clear_grad(set_to_none)
         for chunk in self.chunks:
