@@ -2,6 +2,7 @@
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tieroffload.models import GPT
 
@@ -56,3 +57,14 @@ class Branchy(nn.Module):
         h = self.left(h) if x.sum() > 0 else self.right(h)
         h = self.shared(torch.tanh(h))  # second call of the same module
         return self.out(h)
+
+
+class CheckpointedGPT(TinyGPT):
+    """TinyGPT whose blocks recompute their forward in backward with reentrant checkpointing:
+    each runs a backward of its own inside the model's."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=True)
+        return self.head(self.ln_f(x))

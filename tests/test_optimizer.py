@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from conftest import mounted
-from models import TinyGPT, mlp
+from models import CheckpointedGPT, TinyGPT, mlp
 
 import tieroffload
 from tieroffload import Policy
@@ -53,10 +53,10 @@ def train(model, opt, sched, steps, start=0, accumulate=2):
     return losses
 
 
-def adamw_pair(config: str, delay: float, overlap, tmp_path, **opt_kw):
-    """A TinyGPT and its offloaded copy, with plain AdamW and the paged one."""
+def adamw_pair(config: str, delay: float, overlap, tmp_path, make=TinyGPT, **opt_kw):
+    """A TinyGPT (or ``make()``) and its offloaded copy, with plain AdamW and the paged one."""
     torch.manual_seed(0)
-    ref = TinyGPT()
+    ref = make()
     model = tieroffload.offload(copy.deepcopy(ref), policy(config, tmp_path),
                                 _io_delay=(lambda: time.sleep(delay)) if delay else None)
     kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -142,6 +142,27 @@ def test_step_in_backward_matches_pytorch(config, delay, accumulate, tmp_path):
     if paged:
         with pytest.raises(RuntimeError, match="accumulation_steps"):
             model(batch(0, 9)).square().mean().backward()
+    opt.close()
+    tieroffload.close(model)
+
+
+@pytest.mark.parametrize("overlap", [True, "backward"])
+def test_reentrant_checkpointing_with_accumulation(overlap, tmp_path):
+    """Blocks checkpointed with use_reentrant=True run a backward of their own inside the
+    model's: it is not a micro-batch of its own, nor the end of the model's backward."""
+    kw = {"accumulation_steps": 2} if overlap == "backward" else {}
+    ref, model, opt_ref, opt = adamw_pair("nvme-nvme-grads", 0.0, overlap, tmp_path,
+                                          make=CheckpointedGPT, **kw)
+    for m, o in ((model, opt), (ref, opt_ref)):
+        for step in range(4):
+            for micro in range(2):
+                m(batch(step, micro)).float().square().mean().backward()
+                if m is model:
+                    assert all(p.grad is None for p in model.parameters())
+                    assert len(opt._stepped) == (len(opt.chunks) if micro and kw else 0)
+            o.step()
+            o.zero_grad()
+    assert_same_state(ref, model, opt_ref, opt)
     opt.close()
     tieroffload.close(model)
 

@@ -67,7 +67,8 @@ class OffloadState:
         self.stats = Stats()
         self._handles: list[Any] = []
         self._bwd_pins: dict[int, int] = {}
-        self._bwd_task: int | None = None  # the backward whose end-of-backward callback waits
+        self._bwd_callback_queued = False
+        self._fresh_forward = False  # a forward ran since the last backward began
         self._opt_pins: dict[int, tuple[list[Unit], bool]] = {}  # optimizer -> units, grads
         self._grads_seen: dict[int, int] = {}
         self._deferred: list[Unit] = []  # units whose gradients wait for the end of backward
@@ -333,6 +334,16 @@ class OffloadState:
     # -- forward and backward ------------------------------------------------------------------
 
     def _begin_iteration(self, module: nn.Module, args: Any) -> None:
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+            if self._bwd_callback_queued:  # the last backward raised: its end never ran
+                self._bwd_callback_queued = False
+                self._grads_seen.clear()
+                self._deferred.clear()
+                self._release_bwd_pins()
+            if torch.is_grad_enabled():
+                self._fresh_forward = True
+                for opt in list(self.optimizers):
+                    opt.forward_begins()
         self.scheduler.begin_iteration()
 
     def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -370,14 +381,13 @@ class OffloadState:
         return hook
 
     def _pre_backward(self, units: list[Unit]) -> None:
-        task = torch._C._current_graph_task_id()
-        if task != self._bwd_task:
-            if self._bwd_task is not None:  # the last backward raised: its callback never ran
-                self._grads_seen.clear()
-                self._deferred.clear()
-                self._release_bwd_pins()
-            self._bwd_task = task
+        if not self._bwd_callback_queued:
+            self._bwd_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if self._fresh_forward:  # the backward of a forward, not one nested in it (reentrant
+            self._fresh_forward = False  # checkpointing): a micro-batch for the optimizers
+            for opt in list(self.optimizers):
+                opt.backward_begins()
         self.scheduler.acquire(units)
         for u in units:
             self._bwd_pins[u.id] = self._bwd_pins.get(u.id, 0) + 1
@@ -411,13 +421,11 @@ class OffloadState:
                 self.grads.page_out(u)
 
     def _end_backward(self) -> None:
-        self._bwd_task = None
+        self._bwd_callback_queued = False
         for uid, seen in self._grads_seen.items():
             if seen:  # some parameters of the unit got no gradient this time
                 self._grads_ready(self.units[uid])
         self._grads_seen.clear()
-        for opt in list(self.optimizers):
-            opt.backward_done()
         self._release_bwd_pins()
         if self._deferred:
             # Queued from a callback, this runs after every callback queued during backward,

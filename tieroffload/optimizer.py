@@ -142,7 +142,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 'accumulation_steps is for overlap="backward", which must know which backward '
                 "is the last before step(); otherwise gradients accumulate until step() anyway")
         self.accumulation_steps = accumulation_steps
-        self._backwards = 0  # overlap="backward": backward passes since the last step()
+        self._backwards = 0  # overlap="backward": backward passes begun since the last step()
         # Deferred steps (see step): only where the parameters are paged, so that nothing
         # reads them between step() and the next use, which applies the update first.
         self.overlap = overlap if overlap == "backward" else (
@@ -346,8 +346,6 @@ class PagedOptimizer(torch.optim.Optimizer):
             for i in todo:
                 self._sync_groups(chunks[i])
             self._run(todo, None)
-            if chunks and self.accumulation_steps == 1:
-                self._bring_in(chunks[-1])  # the chunk that backward steps first
             return loss
         for chunk in chunks:  # the hyperparameters (a scheduler's lr) of this step
             self._sync_groups(chunk)
@@ -378,7 +376,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         gradients are taken here (held in memory until the chunk steps): they are not paged."""
         i = self._unit_chunk.get(u.id)
         if (self.overlap != "backward" or i is None
-                or self._backwards + 1 < self.accumulation_steps):
+                or self._backwards < self.accumulation_steps):
             return False
         if i in self._stepped:
             raise RuntimeError(
@@ -416,12 +414,16 @@ class PagedOptimizer(torch.optim.Optimizer):
         """True when chunks have stepped during backward and ``step()`` has not followed."""
         return bool(self._stepped)
 
-    def backward_done(self) -> None:
-        """Counts backward passes; before the last one the first chunk it steps starts in."""
-        self._backwards += 1
+    def forward_begins(self) -> None:
+        """Before the forward whose backward is the last of ``accumulation_steps``, the first
+        chunk that backward steps starts in."""
         if (self.overlap == "backward" and self._backwards + 1 == self.accumulation_steps
                 and self.chunks):
             self._bring_in(self.chunks[-1])
+
+    def backward_begins(self) -> None:
+        """Counts the model's backward passes (micro-batches) since the last ``step()``."""
+        self._backwards += 1
 
     def _bring_in(self, chunk: _Chunk) -> None:
         """Starts reading what an in-backward step of ``chunk`` needs from NVMe: its state, and
