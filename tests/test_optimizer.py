@@ -77,6 +77,24 @@ def assert_same_state(ref, model, opt_ref, opt) -> None:
             assert torch.equal(sd["state"][i][k], v), (i, k)
 
 
+def train_both_on_two_micro_batches(ref, model, opt_ref, opt, steps: int) -> None:
+    """Trains the offloaded model (gradients on NVMe) and the plain one on two micro-batches a
+    step: no gradient stays in memory, an in-backward step (accumulation_steps=2) steps every
+    chunk in the second backward and none in the first, and both end in the same state."""
+    in_backward = opt.overlap == "backward" and opt.accumulation_steps == 2
+    for m, o in ((model, opt), (ref, opt_ref)):
+        for step in range(steps):
+            for micro in range(2):
+                m(batch(step, micro)).float().square().mean().backward()
+                if m is model:
+                    assert all(p.grad is None for p in model.parameters())
+                    assert len(opt._stepped) == (len(opt.chunks) if micro and in_backward
+                                                 else 0)
+            o.step()
+            o.zero_grad()
+    assert_same_state(ref, model, opt_ref, opt)
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("delay", [0.0, 0.002])
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -153,16 +171,7 @@ def test_reentrant_checkpointing_with_accumulation(overlap, tmp_path):
     kw = {"accumulation_steps": 2} if overlap == "backward" else {}
     ref, model, opt_ref, opt = adamw_pair("nvme-nvme-grads", 0.0, overlap, tmp_path,
                                           make=CheckpointedGPT, **kw)
-    for m, o in ((model, opt), (ref, opt_ref)):
-        for step in range(4):
-            for micro in range(2):
-                m(batch(step, micro)).float().square().mean().backward()
-                if m is model:
-                    assert all(p.grad is None for p in model.parameters())
-                    assert len(opt._stepped) == (len(opt.chunks) if micro and kw else 0)
-            o.step()
-            o.zero_grad()
-    assert_same_state(ref, model, opt_ref, opt)
+    train_both_on_two_micro_batches(ref, model, opt_ref, opt, 4)
     opt.close()
     tieroffload.close(model)
 
@@ -245,17 +254,7 @@ def test_backward_that_raised_leaves_no_trace(overlap, tmp_path):
     with pytest.raises(torch.OutOfMemoryError):
         model(batch(0, 0)).float().square().mean().backward()
     opt.zero_grad()
-    for m, o in ((model, opt), (ref, opt_ref)):
-        for step in range(3):
-            for micro in range(2):
-                m(batch(step, micro)).float().square().mean().backward()
-                if m is model:
-                    assert all(p.grad is None for p in model.parameters())
-            if m is model and overlap == "backward":
-                assert len(opt._stepped) == len(opt.chunks)
-            o.step()
-            o.zero_grad()
-    assert_same_state(ref, model, opt_ref, opt)
+    train_both_on_two_micro_batches(ref, model, opt_ref, opt, 3)
     opt.close()
     tieroffload.close(model)
 
