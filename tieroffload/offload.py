@@ -133,7 +133,7 @@ class OffloadState:
         self.mover = Mover(self.device, chunk, NBUF, self.stats, io_delay)
         if policy.params == "nvme":
             if self.device.type == "cpu":
-                memory.return_freed_memory()
+                memory.return_freed_memory(memory.heap_reuse(self.budget))
             names = [f"{n}:{tuple(s.param.shape)}:{s.param.dtype}"
                      for u in self.units for n, s in zip(u.names, u.segments)]
             need = sum(-(-u.nbytes // 4096) * 4096 for u in self.units)
