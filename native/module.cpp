@@ -91,6 +91,16 @@ PYBIND11_MODULE(_native, m) {
       py::arg("addr"), py::arg("nbytes"),
       "Gives the pages of [addr, addr+nbytes) back to the OS (page aligned); they read as zeros.");
   m.def(
+      "renew",
+      [](uintptr_t addr, size_t nbytes) {
+        if (mmap(reinterpret_cast<void*>(addr), nbytes, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED)
+          throw std::system_error(errno, std::generic_category(), "mmap");
+      },
+      py::arg("addr"), py::arg("nbytes"),
+      "Maps [addr, addr+nbytes) afresh as one mapping (page aligned), whatever mappings moves\n"
+      "split it into; it reads as zeros.");
+  m.def(
       "park",
       [](uintptr_t addr, size_t nbytes) -> int64_t {
         void* p = mremap(reinterpret_cast<void*>(addr), nbytes, nbytes,

@@ -411,6 +411,41 @@ def test_page_pool_moves_pages_without_copying():
     assert int(d.sum()) == 0
 
 
+def test_unit_parks_every_page_after_partial_fills():
+    """A unit filled in part from the pool parks all its pages when freed, however earlier
+    moves split its mapping (it discarded most of them, to fault them in again, when they
+    did), and as many as the cap leaves room for when the pool is nearly full."""
+    from tieroffload import aio
+    from tieroffload.tiers import PagePool, Unit
+
+    mib = 1 << 20
+    u = Unit(0, "u", [("w", torch.nn.Parameter(torch.zeros(3 * mib // 4)))])
+    u.adopt_flat(4096)
+    pool = PagePool(cap=8 * mib)
+    a = aio.aligned_empty(mib, pin=False)
+    if not pool.park(a.data_ptr(), mib):
+        pytest.skip("this kernel has no MREMAP_DONTUNMAP: units are discarded instead")
+    u.allocate(pool)  # 1 MiB placed: the unit's range is now two mappings
+    u.free(pool)
+    assert pool.nbytes == 3 * mib
+    pool.clear()
+    c = aio.aligned_empty(mib // 2, pin=False)
+    assert pool.park(c.data_ptr(), mib // 2) == mib // 2
+    u.allocate(pool)  # half a MiB placed: the rest spans the earlier split
+    u.flat.fill_(5)
+    u.free(pool)
+    assert pool.nbytes == 3 * mib and int(u.flat.sum()) == 0
+    d = aio.aligned_empty(3 * mib, pin=False)
+    assert sum(pool.fill(d.data_ptr(), d.numel())) == 3 * mib
+    assert bool((d == 5).all())
+    pool.cap = 2 * mib
+    u.allocate()
+    u.flat.fill_(6)
+    u.free(pool)  # room for two of its three MiB
+    assert pool.nbytes == 2 * mib and int(u.flat.sum()) == 0
+    pool.clear()
+
+
 def test_plain_optimizer_step_warns_once(tmp_path, caplog):
     torch.manual_seed(0)
     model = tieroffload.offload(mlp(), policy_for("nvme", tmp_path, cpu_budget="40KiB"))

@@ -235,19 +235,21 @@ class PagePool:
         self.supported = True
         self._lock = threading.Lock()  # the mover thread parks gradients
 
-    def park(self, addr: int, nbytes: int) -> bool:
-        """Takes the pages of [addr, addr+nbytes); False where they stay (over the cap, or
-        refused): the caller discards them."""
+    def park(self, addr: int, nbytes: int) -> int:
+        """Takes the pages of [addr, addr+nbytes), one mapping, or as many of its first pages
+        as the cap leaves room for; returns the bytes taken (0 where the kernel refuses): the
+        caller discards the rest."""
         with self._lock:
-            if not self.supported or self.nbytes + nbytes > self.cap:
-                return False
-            moved = _native.park(addr, nbytes)
+            take = min(nbytes, (self.cap - self.nbytes) // PAGE * PAGE)
+            if not self.supported or take <= 0:
+                return 0
+            moved = _native.park(addr, take)
             if moved < 0:
                 self.supported = moved != -errno.EINVAL  # else the range spans two mappings
-                return False
-            self.ranges.append((moved, nbytes))
-            self.nbytes += nbytes
-            return True
+                return 0
+            self.ranges.append((moved, take))
+            self.nbytes += take
+            return take
 
     def fill(self, addr: int, nbytes: int) -> list[int]:
         """Moves parked pages over [addr, addr+nbytes): a range of that size if there is one
@@ -335,8 +337,14 @@ class Unit:
         overwritten: it holds another unit's old values) a flat unit takes parked pages; else
         its pages come back, as zeros, as they are written."""
         if self.flat is not None:
+            addr, total = self.flat.data_ptr(), self.flat.numel()
             if pool is not None and pool.ranges:
-                self._pieces = pool.fill(self.flat.data_ptr(), self.flat.numel())
+                self._pieces = pool.fill(addr, total)
+            placed = sum(self._pieces)
+            if placed < total:
+                # Pieces placed and parked before split the rest into several mappings, which
+                # the kernel would not park as one (a unit then faulted in most of its pages).
+                _native.renew(addr + placed, total - placed)
             return
         for s in self.segments:
             s.param.untyped_storage().resize_(s.end - s.start)
@@ -349,8 +357,9 @@ class Unit:
             pieces = self._pieces + ([total - placed] if placed < total else [])
             self._pieces = []
             for n in pieces:
-                if pool is None or not pool.park(addr, n):
-                    _native.discard(addr, n)
+                kept = pool.park(addr, n) if pool is not None else 0
+                if kept < n:
+                    _native.discard(addr + kept, n - kept)
                 addr += n
             return
         for s in self.segments:
