@@ -411,6 +411,33 @@ def test_page_pool_moves_pages_without_copying():
     assert int(d.sum()) == 0
 
 
+HEAP_CHILD = r"""
+import sys, torch, tieroffload
+from torch import nn
+from tieroffload.memory import return_freed_memory, rss
+tieroffload.offload(nn.Linear(64, 64), tieroffload.Policy(
+    params="nvme", nvme_dir=sys.argv[1], device="cpu", cpu_budget="256MiB"))
+def returned():  # MiB that freeing a 16 MiB temporary gives back to the OS
+    t = torch.ones(4 << 20)
+    before = rss()
+    del t
+    return (before - rss()) >> 20
+kept = returned()
+return_freed_memory()
+print(kept, returned())
+"""
+
+
+def test_heap_reuses_temporaries_below_an_eighth_of_the_budget(tmp_path):
+    """Under a 256 MiB budget a freed 16 MiB temporary stays in the heap for the next one
+    (no page faults); after return_freed_memory() it goes back to the OS."""
+    r = subprocess.run([sys.executable, "-c", HEAP_CHILD, str(tmp_path)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    kept, returned = map(int, r.stdout.split())
+    assert kept < 4 and returned >= 15, (kept, returned)
+
+
 def test_unit_parks_every_page_after_partial_fills():
     """A unit filled in part from the pool parks all its pages when freed, however earlier
     moves split its mapping (it discarded most of them, to fault them in again, when they
