@@ -69,8 +69,8 @@ def return_freed_memory(reuse: int = 0) -> None:
 
 
 def heap_reuse(budget: int) -> int:
-    """The heap block size for a CPU budget: an eighth of it, so that what the heap keeps
-    free stays within a quarter of the budget; at most glibc's ceiling of 32 MiB."""
+    """The heap block size for a CPU budget: an eighth of it, so that the free top the heap
+    keeps is at most a quarter of the budget; at most glibc's ceiling of 32 MiB."""
     return min(budget // 8, _MMAP_CEILING)
 
 
