@@ -49,9 +49,10 @@ def drop_page_cache() -> bool:
     return _proc_write("/proc/sys/vm/drop_caches", "3\n")
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
 _MMAP_CEILING = 32 << 20  # glibc's largest mmap threshold on 64-bit (HEAP_MAX_SIZE / 2)
-_reuse = _MMAP_CEILING  # the heap block size set so far; the smallest asked for stands
+_MMAP_MAX = 65536  # glibc's default number of mmapped blocks
+_reuse: int | None = None  # the heap block size set so far; the smallest asked for stands
 
 
 def return_freed_memory(reuse: int = 0) -> None:
@@ -60,18 +61,32 @@ def return_freed_memory(reuse: int = 0) -> None:
     which freeing really returns. Smaller blocks come from the heap, which keeps at most
     ``2 * reuse`` free at its top: temporaries of that size are reused without page faults
     (with every torch temporary a fresh mapping, a training step of a GPT on 2 cores spent a
-    fifth of its time faulting in and zeroing pages). The setting is the process's: the
-    smallest ``reuse`` asked for stands, 256 KiB at least (glibc's default)."""
+    fifth of its time faulting in and zeroing pages). glibc's threshold goes no higher than
+    32 MiB: above it no block is mapped and the heap is never trimmed, so that it keeps what
+    it has held (the most temporaries the process had alive at once, such as a step's
+    gradients) for the next allocations. Any lower trim threshold hands the freed gradients
+    back when they happen to lie at the heap's top, and the next step faults them all in
+    again (3 GiB of them took longer than the backward that made them). The setting is the
+    process's: the smallest ``reuse`` asked for stands, 256 KiB at least (glibc's default);
+    lowering it to 32 MiB or less hands back what the heap holds."""
     global _reuse
-    _reuse = min(_reuse, max(reuse, 256 << 10))
-    _libc("mallopt", _M_MMAP_THRESHOLD, _reuse)
-    _libc("mallopt", _M_TRIM_THRESHOLD, 2 * _reuse)
+    was = _reuse
+    _reuse = max(reuse, 256 << 10) if was is None else min(was, max(reuse, 256 << 10))
+    if _reuse > _MMAP_CEILING:
+        _libc("mallopt", _M_MMAP_MAX, 0)
+        _libc("mallopt", _M_TRIM_THRESHOLD, -1)  # never
+    else:
+        _libc("mallopt", _M_MMAP_MAX, _MMAP_MAX)
+        _libc("mallopt", _M_MMAP_THRESHOLD, _reuse)
+        _libc("mallopt", _M_TRIM_THRESHOLD, 2 * _reuse)
+    if was is not None and was > _MMAP_CEILING >= _reuse:
+        trim_heap()
 
 
 def heap_reuse(budget: int) -> int:
     """The heap block size for a CPU budget: an eighth of it, so that the free top the heap
-    keeps is at most a quarter of the budget; at most glibc's ceiling of 32 MiB."""
-    return min(budget // 8, _MMAP_CEILING)
+    keeps is at most a quarter of the budget (above 256 MiB, all it has held)."""
+    return budget // 8
 
 
 def ram_limit() -> int:
