@@ -148,7 +148,8 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=3.0, help="weights in GiB (default 3)")
     p.add_argument("--batch", type=int, action="append", help="batch sizes (default 8 and 96)")
     p.add_argument("--budget", default="1GiB", help="tieroffload cpu_budget (default 1GiB)")
-    p.add_argument("--prefetch", default="512MiB", help="tieroffload prefetch (default 512MiB)")
+    p.add_argument("--prefetch", default=str(tieroffload.Policy().prefetch),
+                   help="tieroffload prefetch: units, or a size (default: Policy's, 2 units)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--train", action="store_true", help="forward+backward instead of inference")
     p.add_argument("--threads", type=int, default=None, help="torch compute threads")
@@ -168,7 +169,7 @@ def main() -> None:
     xs = {b: torch.randn(b, WIDTH) for b in batches}
     ours_model = tieroffload.offload(build(args.gib), tieroffload.Policy(
         params="nvme", nvme_dir=directory, device="cpu", cpu_budget=args.budget,
-        prefetch=args.prefetch))
+        prefetch=int(args.prefetch) if args.prefetch.isdigit() else args.prefetch))
     contenders = {"resident": model, "tieroffload": ours_model}
     try:
         from accelerate import disk_offload
