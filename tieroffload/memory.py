@@ -70,8 +70,8 @@ def return_freed_memory(reuse: int = 0) -> None:
     process's: the smallest ``reuse`` asked for stands, 256 KiB at least (glibc's default);
     lowering it to 32 MiB or less hands back what the heap holds."""
     global _reuse
-    was = _reuse
-    _reuse = max(reuse, 256 << 10) if was is None else min(was, max(reuse, 256 << 10))
+    asked = max(reuse, 256 << 10)
+    was, _reuse = _reuse, asked if _reuse is None else min(_reuse, asked)
     if _reuse > _MMAP_CEILING:
         _libc("mallopt", _M_MMAP_MAX, 0)
         _libc("mallopt", _M_TRIM_THRESHOLD, -1)  # never
