@@ -378,6 +378,36 @@ def test_resident_memory_stays_under_budget(tmp_path):
         assert faults * 4096 < read // 8, (faults, read)
 
 
+def test_prefetch_reads_past_resident_units(tmp_path):
+    """Backward starts on the units forward left resident. The reads of the units below them
+    start as soon as the first unit's backward frees room, while compute is still on resident
+    units, not when compute comes within the prefetch window of them (the disk idled for a
+    third of a balanced training step before)."""
+    torch.manual_seed(0)
+    ref = mlp(width=128, depth=12)
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        params="nvme", nvme_dir=str(tmp_path), device="cpu", cpu_budget=5 * 129 * 128 * 4,
+        prefetch=1, adapt=False))
+    sched = model._tieroffload.scheduler
+    started: list[tuple[int, int]] = []  # (trace position of compute, unit fetched)
+    start_fetch = sched._start_fetch
+    sched._start_fetch = lambda u: (started.append((sched.cursor, u.id)), start_fetch(u))
+    x = torch.randn(4, 128)
+    for _ in range(3):
+        started.clear()
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        backward_at = sched.cursor
+        out.square().mean().backward()
+    first_read = min(c for c, _ in started if c > backward_at)
+    # Five units are resident when backward starts; the first read starts by its second unit.
+    assert first_read <= backward_at + 2, (backward_at, started)
+    ref(x).square().mean().backward()
+    for (_, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    tieroffload.close(model)
+
+
 def test_page_pool_moves_pages_without_copying():
     """Pages parked from one buffer land in another with their bytes; the first reads zeros
     and keeps its address; a unit filled from pieces parks them again one by one."""

@@ -82,8 +82,9 @@ class Policy:
     space (needed for "nvme"), or a list of them, one per drive: units are striped over all.
     ``gpu_budget`` / ``cpu_budget``: bytes (or "2GiB") of parameters
     that may be resident on the compute device at once; default: what the prefetch window needs.
-    ``prefetch``: how far ahead to fetch along the recorded order: a number of units, or bytes
-    given as a string ("512MiB"). ``io``: engine settings (an ``IOConfig`` or its dict).
+    ``prefetch``: how much to have on its way ahead of compute along the recorded order, past
+    the units already resident: a number of units, or bytes given as a string ("512MiB").
+    ``io``: engine settings (an ``IOConfig`` or its dict).
     ``optimizer``: the tier of the paged optimizer's state ("gpu", "cpu" or "nvme"; default: the
     compute device's). ``grads``: where gradients go after each unit's backward: the compute
     device (default), or "nvme" (with params="nvme"; consumed by the paged optimizer's step).

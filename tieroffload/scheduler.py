@@ -1,11 +1,13 @@
 """Which units are resident, which to fetch next, which to evict.
 
 The first iteration records the order in which units are needed (forward, then backward). Later
-iterations follow that trace: each acquire prefetches the next units of the trace up to the
-prefetch window, and when room is needed the resident unit whose next use is farthest away goes
-(Belady's rule, which the trace makes possible). When execution leaves the trace (a branch, a
-different input) the scheduler fetches on demand and records the new order for the next
-iteration, so a wrong trace costs time, never correctness.
+iterations follow that trace: each acquire prefetches along it until the prefetch window (units
+or bytes) is on its way, counting only units not already resident, and when room is needed the
+resident unit whose next use is farthest away goes (Belady's rule, which the trace makes
+possible). Resident units do not use up the window: backward starts on the units forward left
+resident, and the disk must not idle while compute goes through them. When execution leaves the
+trace (a branch, a different input) the scheduler fetches on demand and records the new order for
+the next iteration, so a wrong trace costs time, never correctness.
 
 The prefetch depth adapts between iterations: when units arrived late (the window is too
 shallow) and the budget has room, it deepens; when prefetched units were evicted before their
@@ -28,6 +30,7 @@ class Scheduler:
     def __init__(self, units: list[Unit], mover: Mover, budget: int, prefetch_units: int,
                  prefetch_bytes: int | None, stats: Stats, adapt: bool = True) -> None:
         self.units = units
+        self._total = sum(u.nbytes for u in units)
         self.mover = mover
         self.budget = budget
         self.prefetch_units = prefetch_units
@@ -268,7 +271,9 @@ class Scheduler:
         u.initialized = True
 
     def _prefetch(self) -> None:
-        if not self.on_track or not self.trace:
+        # With every unit in memory there is nothing to read, and the walk past resident units
+        # would go round the whole trace at every acquire.
+        if not self.on_track or not self.trace or self.stats.resident >= self._total:
             return
         budget_bytes = self.prefetch_bytes
         seen: set[int] = set()
@@ -277,15 +282,15 @@ class Scheduler:
             if len(seen) >= self.prefetch_units:
                 return
             uid = self.trace[(self.cursor + step) % n]
-            if uid in seen:
+            u = self.units[uid]
+            if uid in seen or u.state in (State.RESIDENT, State.WRITING):
                 continue
             seen.add(uid)
-            u = self.units[uid]
             if budget_bytes is not None:
                 budget_bytes -= u.nbytes
                 if budget_bytes < 0:
                     return
-            if u.state is not State.AWAY:
+            if u.state is State.FETCHING:
                 continue
             if not self._make_room(u.nbytes, force=False, target=u, prefetching=True):
                 return
