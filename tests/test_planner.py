@@ -180,6 +180,25 @@ def test_prefetch_deepens_when_units_arrive_late(tmp_path):
     tieroffload.close(model)
 
 
+def test_prefetch_stays_when_late_reads_queued_behind_others(tmp_path):
+    """Units late because the disk is slower than compute (each read queued behind the one
+    before) do not deepen the window: that adds no bandwidth, and each unit of depth is a unit
+    the budget no longer keeps from one pass to the next."""
+    torch.manual_seed(0)
+    ref = mlp(width=256, depth=12)
+    unit = 257 * 256 * 4
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        params="nvme", nvme_dir=str(tmp_path), device="cpu", cpu_budget=10 * unit, prefetch=2),
+        _io_delay=functools.partial(time.sleep, 0.02))
+    x = torch.randn(1, 256)
+    for _ in range(6):
+        assert torch.equal(model(x), ref(x))
+    st = tieroffload.stats(model)
+    assert st["late"] >= 20, st  # measured 26 to 27 over the five passes after the first
+    assert st["prefetch"] == 2 and not st["adaptations"], st
+    tieroffload.close(model)
+
+
 def test_fixed_prefetch_does_not_adapt(tmp_path):
     torch.manual_seed(0)
     model = tieroffload.offload(mlp(width=256, depth=12), Policy(

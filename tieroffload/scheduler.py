@@ -9,8 +9,9 @@ resident, and the disk must not idle while compute goes through them. When execu
 trace (a branch, a different input) the scheduler fetches on demand and records the new order for
 the next iteration, so a wrong trace costs time, never correctness.
 
-The prefetch depth adapts between iterations: when units arrived late (the window is too
-shallow) and the budget has room, it deepens; when prefetched units were evicted before their
+The prefetch depth adapts between iterations: when units arrived late although the disk had
+nothing else to read when their reads started (the window is too shallow) and the budget has
+room, it deepens; when prefetched units were evicted before their
 use (the budget cannot hold the window) it backs off. Each change is kept in ``stats``.
 """
 
@@ -44,7 +45,16 @@ class Scheduler:
         self.clock = 0
         self.adapt = adapt
         self.iteration = 0
-        self._seen = (0, 0)  # (late, wasted) at the last adaptation
+        self._seen = (0, 0)  # (starved, wasted) at the last adaptation
+        # Late units whose read started with no other in flight. A read that queued behind
+        # others was late for the disk's bandwidth, which a deeper window does not add to: it
+        # only takes room from the units the budget keeps between iterations, and in inference
+        # every unit of depth is one more unit read per pass.
+        self._starved = 0
+        # Prefetched while no other read was in flight, the window having held it back at the
+        # acquire before (not the budget: a deeper window would not have started it sooner).
+        self._idle_start: set[int] = set()
+        self._window_full = False  # the last prefetch stopped at the window's end
         self._prefetched: set[int] = set()  # fetched ahead, not used yet
         # Pages of evicted units, for the next fetch; resident and parked bytes together stay
         # within the budget.
@@ -72,8 +82,8 @@ class Scheduler:
     def _adapt(self) -> None:
         """Deepens the prefetch after an iteration with late units if the budget has room for
         one more unit; makes it shallower when prefetched units were evicted unused."""
-        late, wasted = self.stats.late - self._seen[0], self.stats.wasted - self._seen[1]
-        self._seen = (self.stats.late, self.stats.wasted)
+        late, wasted = self._starved - self._seen[0], self.stats.wasted - self._seen[1]
+        self._seen = (self._starved, self.stats.wasted)
         avg = max(1, sum(u.nbytes for u in self.units) // max(len(self.units), 1))
         in_use = 2 * max(u.nbytes for u in self.units)  # what the module computing holds
         units, nbytes = self.prefetch_units, self.prefetch_bytes
@@ -92,7 +102,7 @@ class Scheduler:
                 room = units * avg + in_use <= self.budget
             if not room:
                 return
-            why = f"{late} units arrived late"
+            why = f"{late} units arrived late, their reads started on an idle disk"
         else:
             return
         if (units, nbytes) == (self.prefetch_units, self.prefetch_bytes):
@@ -147,6 +157,8 @@ class Scheduler:
         self.clock += 1
         u.last_use = self.clock
         self._prefetched.discard(u.id)
+        idle_start = u.id in self._idle_start
+        self._idle_start.discard(u.id)
         if u.state is State.RESIDENT:
             self.stats.hits += 1
             return
@@ -160,6 +172,7 @@ class Scheduler:
                 self.stats.hits += 1
             else:
                 self.stats.late += 1
+                self._starved += idle_start
             self._finish(u)
             return
         self.stats.misses += 1
@@ -229,6 +242,7 @@ class Scheduler:
         write unless the budget needs its memory at once."""
         if u.state is State.FETCHING:
             self._finish(u)
+        self._idle_start.discard(u.id)
         if u.id in self._prefetched:
             self._prefetched.discard(u.id)
             self.stats.wasted += 1
@@ -275,11 +289,13 @@ class Scheduler:
         # would go round the whole trace at every acquire.
         if not self.on_track or not self.trace or self.stats.resident >= self._total:
             return
+        held_back, self._window_full = self._window_full, False
         budget_bytes = self.prefetch_bytes
         seen: set[int] = set()
         n = len(self.trace)
         for step in range(n):
             if len(seen) >= self.prefetch_units:
+                self._window_full = True
                 return
             uid = self.trace[(self.cursor + step) % n]
             u = self.units[uid]
@@ -289,11 +305,16 @@ class Scheduler:
             if budget_bytes is not None:
                 budget_bytes -= u.nbytes
                 if budget_bytes < 0:
+                    self._window_full = True
                     return
             if u.state is State.FETCHING:
                 continue
             if not self._make_room(u.nbytes, force=False, target=u, prefetching=True):
                 return
+            if held_back and not any(self.units[i].ticket is not None
+                                     and not self.units[i].ticket.done()
+                                     for i in self._prefetched):
+                self._idle_start.add(u.id)
             self._start_fetch(u)
             self._prefetched.add(u.id)
 
