@@ -9,10 +9,10 @@ resident, and the disk must not idle while compute goes through them. When execu
 trace (a branch, a different input) the scheduler fetches on demand and records the new order for
 the next iteration, so a wrong trace costs time, never correctness.
 
-The prefetch depth adapts between iterations: when units arrived late although the disk had
-nothing else to read when their reads started (the window is too shallow) and the budget has
-room, it deepens; when prefetched units were evicted before their
-use (the budget cannot hold the window) it backs off. Each change is kept in ``stats``.
+The prefetch depth adapts between iterations: when most late units had their reads start on
+an idle disk (the window, too shallow, held them back) and the budget has room, it deepens;
+when prefetched units were evicted before their use (the budget cannot hold the window) it
+backs off. Each change is kept in ``stats``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Scheduler:
         self.clock = 0
         self.adapt = adapt
         self.iteration = 0
-        self._seen = (0, 0)  # (starved, wasted) at the last adaptation
+        self._seen = (0, 0, 0)  # (starved, late, wasted) at the last adaptation
         # Late units whose read started with no other in flight. A read that queued behind
         # others was late for the disk's bandwidth, which a deeper window does not add to: it
         # only takes room from the units the budget keeps between iterations, and in inference
@@ -80,10 +80,12 @@ class Scheduler:
         self.iteration += 1
 
     def _adapt(self) -> None:
-        """Deepens the prefetch after an iteration with late units if the budget has room for
-        one more unit; makes it shallower when prefetched units were evicted unused."""
-        late, wasted = self._starved - self._seen[0], self.stats.wasted - self._seen[1]
-        self._seen = (self._starved, self.stats.wasted)
+        """Deepens the prefetch after an iteration where most late units were starved (their
+        reads started on an idle disk) if the budget has room for one more unit; makes it
+        shallower when prefetched units were evicted unused."""
+        now = (self._starved, self.stats.late, self.stats.wasted)
+        starved, late, wasted = (a - b for a, b in zip(now, self._seen))
+        self._seen = now
         avg = max(1, sum(u.nbytes for u in self.units) // max(len(self.units), 1))
         in_use = 2 * max(u.nbytes for u in self.units)  # what the module computing holds
         units, nbytes = self.prefetch_units, self.prefetch_bytes
@@ -93,7 +95,7 @@ class Scheduler:
             else:
                 units = max(1, units - 1)
             why = f"{wasted} prefetched units were evicted before use"
-        elif late > 0:
+        elif 2 * starved > late:
             if nbytes is not None:
                 nbytes = nbytes * 3 // 2
                 room = nbytes + in_use <= self.budget
@@ -102,7 +104,8 @@ class Scheduler:
                 room = units * avg + in_use <= self.budget
             if not room:
                 return
-            why = f"{late} units arrived late, their reads started on an idle disk"
+            why = (f"{starved} of {late} late units had their reads start on an idle disk "
+                   "(the window held them back)")
         else:
             return
         if (units, nbytes) == (self.prefetch_units, self.prefetch_bytes):
