@@ -51,11 +51,11 @@ class Scheduler:
         # only takes room from the units the budget keeps between iterations, and in inference
         # every unit of depth is one more unit read per pass.
         self._starved = 0
-        # Prefetched while no other read was in flight, the window having held it back at the
-        # acquire before (not the budget: a deeper window would not have started it sooner).
-        self._idle_start: set[int] = set()
         self._window_full = False  # the last prefetch stopped at the window's end
-        self._prefetched: set[int] = set()  # fetched ahead, not used yet
+        # Fetched ahead, not used yet: unit -> its read started with no other in flight, the
+        # window having held it back at the acquire before (not the budget: a deeper window
+        # would not have started it sooner).
+        self._prefetched: dict[int, bool] = {}
         # Pages of evicted units, for the next fetch; resident and parked bytes together stay
         # within the budget.
         self.pool = PagePool(0)
@@ -86,7 +86,7 @@ class Scheduler:
         now = (self._starved, self.stats.late, self.stats.wasted)
         starved, late, wasted = (a - b for a, b in zip(now, self._seen))
         self._seen = now
-        avg = max(1, sum(u.nbytes for u in self.units) // max(len(self.units), 1))
+        avg = max(1, self._total // max(len(self.units), 1))
         in_use = 2 * max(u.nbytes for u in self.units)  # what the module computing holds
         units, nbytes = self.prefetch_units, self.prefetch_bytes
         if wasted > 0:
@@ -159,9 +159,7 @@ class Scheduler:
     def _ensure(self, u: Unit, force: bool) -> None:
         self.clock += 1
         u.last_use = self.clock
-        self._prefetched.discard(u.id)
-        idle_start = u.id in self._idle_start
-        self._idle_start.discard(u.id)
+        idle_start = self._prefetched.pop(u.id, False)
         if u.state is State.RESIDENT:
             self.stats.hits += 1
             return
@@ -245,9 +243,7 @@ class Scheduler:
         write unless the budget needs its memory at once."""
         if u.state is State.FETCHING:
             self._finish(u)
-        self._idle_start.discard(u.id)
-        if u.id in self._prefetched:
-            self._prefetched.discard(u.id)
+        if self._prefetched.pop(u.id, None) is not None:
             self.stats.wasted += 1
         if u.dirty:
             u.ticket = self.mover.store(u)
@@ -314,12 +310,11 @@ class Scheduler:
                 continue
             if not self._make_room(u.nbytes, force=False, target=u, prefetching=True):
                 return
-            if held_back and not any(self.units[i].ticket is not None
-                                     and not self.units[i].ticket.done()
-                                     for i in self._prefetched):
-                self._idle_start.add(u.id)
+            idle = held_back and not any(self.units[i].ticket is not None
+                                         and not self.units[i].ticket.done()
+                                         for i in self._prefetched)
             self._start_fetch(u)
-            self._prefetched.add(u.id)
+            self._prefetched[u.id] = idle
 
     def prefetch(self, units: list[Unit]) -> None:
         """Starts fetching ``units`` where the budget has room without evicting a unit in use
