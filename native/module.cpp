@@ -96,6 +96,7 @@ PYBIND11_MODULE(_native, m) {
         if (mmap(reinterpret_cast<void*>(addr), nbytes, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED)
           throw std::system_error(errno, std::generic_category(), "mmap");
+        advise_huge(reinterpret_cast<void*>(addr), nbytes);  // a new mapping loses the advice
       },
       py::arg("addr"), py::arg("nbytes"),
       "Maps [addr, addr+nbytes) afresh as one mapping (page aligned), whatever mappings moves\n"

@@ -441,6 +441,46 @@ def test_page_pool_moves_pages_without_copying():
     assert int(d.sum()) == 0
 
 
+def _huge_bytes(addr: int) -> int:
+    """Bytes of transparent huge pages in the mapping that holds ``addr``."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) << 10
+    return 0
+
+
+def test_unit_buffers_are_backed_by_huge_pages():
+    """A unit's buffer starts on a 2 MiB boundary and is faulted in as huge pages, also after
+    it is freed and mapped afresh: O_DIRECT reads into 4 KiB pages scattered in memory ran
+    at 1.25 GB/s beside compute where huge pages took 1.77 GB/s, as a device takes at most
+    so many segments per request."""
+    from tieroffload.tiers import Unit
+
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                pytest.skip("transparent huge pages are off here")
+    except FileNotFoundError:
+        pytest.skip("this kernel has no transparent huge pages")
+    mib = 1 << 20
+    u = Unit(0, "u", [("w", torch.nn.Parameter(torch.ones(8 * mib // 4)))])
+    u.adopt_flat(4096)
+    addr = u.flat.data_ptr()
+    assert addr % (2 * mib) == 0
+    assert _huge_bytes(addr) >= 4 * mib, "adopt_flat wrote every byte: most should be huge"
+    u.free()  # no pool: the pages go back to the OS
+    assert _huge_bytes(addr) == 0
+    u.allocate()  # mapped afresh, which drops the advice unless it is given again
+    u.flat.fill_(1)
+    assert u.flat.data_ptr() == addr and _huge_bytes(addr) >= 4 * mib
+
+
 HEAP_CHILD = r"""
 import sys, torch, tieroffload
 from torch import nn
