@@ -2,6 +2,7 @@
 
 import copy
 import errno
+import functools
 import logging
 import os
 import subprocess
@@ -17,6 +18,7 @@ from torch import nn
 
 import tieroffload
 from tieroffload import Policy
+from tieroffload.tiers import State
 
 MODELS = {
     "mlp": (lambda: mlp(), lambda g: torch.randn(4, 64, generator=g)),
@@ -405,6 +407,33 @@ def test_prefetch_reads_past_resident_units(tmp_path):
     ref(x).square().mean().backward()
     for (_, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
+    tieroffload.close(model)
+
+
+def test_window_reads_queue_before_the_wait(tmp_path):
+    """An acquire starts the window's reads before it waits for its own unit, so the disk has
+    the next unit queued while it reads this one (after the wait, it had only this one)."""
+    torch.manual_seed(0)
+    ref = mlp(width=128, depth=12)
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        params="nvme", nvme_dir=str(tmp_path), device="cpu", cpu_budget=5 * 129 * 128 * 4,
+        prefetch=1, adapt=False), _io_delay=functools.partial(time.sleep, 0.005))
+    sched = model._tieroffload.scheduler
+    waits: list[int] = []  # units also being read during each wait that was not over
+    finish = sched._finish
+
+    def recording_finish(u):
+        if u.ticket is not None and not u.ticket.done():
+            waits.append(sum(v is not u and v.state is State.FETCHING for v in sched.units))
+        finish(u)
+    sched._finish = recording_finish
+    x = torch.randn(4, 128)
+    for _ in range(3):
+        waits.clear()
+        with torch.no_grad():
+            out = model(x)
+    assert len(waits) >= 5 and sum(n >= 1 for n in waits) >= len(waits) - 1, waits
+    assert torch.equal(out, ref(x))
     tieroffload.close(model)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import mlp
+from torch import nn
 
 import tieroffload
 from tieroffload import Policy, memory
@@ -163,15 +164,36 @@ def test_auto_refuses_with_the_numbers(machine, profiles, tmp_path):
     assert "set by hand" in Policy().explain()
 
 
-@pytest.mark.parametrize("prefetch,delay,deepens", [(1, 0.004, True), (2, 0.02, False)])
+class Pause(nn.Module):
+    """Compute that takes ``seconds`` and owns no parameters: the disk idles through it once
+    the window's reads are done."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+@pytest.mark.parametrize("prefetch,delay,pause,deepens",
+                         [(1, 0.004, 0.03, True), (2, 0.02, 0.0, False)])
 def test_prefetch_deepens_only_where_late_units_waited_for_the_window(tmp_path, prefetch, delay,
-                                                                       deepens):
-    """Depth 1, short reads: each read starts on an idle disk once the window lets it, and
-    arrives late, so the window deepens. Depth 2, long reads: each queues behind the one before
-    (the disk is slower than compute); depth adds no bandwidth, and each unit of it is a unit
-    the budget no longer keeps from one pass to the next, so it stays."""
+                                                                       pause, deepens):
+    """Depth 1, short reads, a pause before every fourth layer: the disk idles through the
+    pause with the window full, and the reads of the fast layers after it start on an idle
+    disk and arrive late, so the window deepens. Depth 2, long reads, no pause: each read
+    queues behind the one before (the disk is slower than compute); depth adds no bandwidth,
+    and each unit of it is a unit the budget no longer keeps from one pass to the next, so it
+    stays."""
     torch.manual_seed(0)
     ref = mlp(width=256, depth=12)
+    layers = list(ref)
+    if pause:
+        layers = [m for i, m in enumerate(layers) for m in ((Pause(pause), m) if i % 8 == 0
+                                                            else (m,))]
+    ref = nn.Sequential(*layers)
     unit = 257 * 256 * 4
     model = tieroffload.offload(copy.deepcopy(ref), Policy(
         params="nvme", nvme_dir=str(tmp_path), device="cpu", cpu_budget=10 * unit,

@@ -140,23 +140,31 @@ class Scheduler:
     # -- residency -----------------------------------------------------------------------------
 
     def acquire(self, units: list[Unit], force: bool = False, record: bool = True) -> None:
-        """Makes ``units`` resident and pins them; then prefetches along the trace. ``force``
-        may exceed the budget (a plain optimizer step needs every parameter at once); uses
-        outside forward and backward (state dicts, steps) pass ``record=False``."""
+        """Pins ``units``, starts their reads and the window's along the trace, then waits
+        for them: they are resident on return. ``force`` may exceed the budget (a plain
+        optimizer step needs every parameter at once); uses outside forward and backward
+        (state dicts, steps) pass ``record=False``."""
         for u in units:
             if record:
                 self._advance(u.id)
             u.pins += 1
         for u in units:
-            self._ensure(u, force)
+            self._start(u, force)
+        # The window's reads start before the wait for these units, not after it: the disk
+        # then has the units behind them queued while it reads these, at no cost in memory
+        # (the window does not count the units acquired).
         if record:
-            self._prefetch()
+            self._prefetch(units)
+        for u in units:
+            self._finish(u)
 
     def release(self, units: list[Unit]) -> None:
         for u in units:
             u.pins -= 1
 
-    def _ensure(self, u: Unit, force: bool) -> None:
+    def _start(self, u: Unit, force: bool) -> None:
+        """Counts the unit's hit, late read or miss, and starts its read if it is away; the
+        caller waits for it (``_finish``)."""
         self.clock += 1
         u.last_use = self.clock
         idle_start = self._prefetched.pop(u.id, False)
@@ -174,12 +182,10 @@ class Scheduler:
             else:
                 self.stats.late += 1
                 self._starved += idle_start
-            self._finish(u)
             return
         self.stats.misses += 1
         self._make_room(u.nbytes, force=force, target=u)
         self._start_fetch(u)
-        self._finish(u)
 
     def _start_fetch(self, u: Unit) -> None:
         u.allocate(self.pool if u.initialized else None)  # a load overwrites every byte
@@ -283,7 +289,9 @@ class Scheduler:
         u.dirty = False
         u.initialized = True
 
-    def _prefetch(self) -> None:
+    def _prefetch(self, acquiring: list[Unit]) -> None:
+        """Starts reads along the trace, up to the window's depth in units still to read
+        (past resident ones, not counting the ``acquiring`` ones), as the budget allows."""
         # With every unit in memory there is nothing to read, and the walk past resident units
         # would go round the whole trace at every acquire.
         if not self.on_track or not self.trace or self.stats.resident >= self._total:
@@ -298,7 +306,7 @@ class Scheduler:
                 return
             uid = self.trace[(self.cursor + step) % n]
             u = self.units[uid]
-            if uid in seen or u.state in (State.RESIDENT, State.WRITING):
+            if uid in seen or u.state in (State.RESIDENT, State.WRITING) or u in acquiring:
                 continue
             seen.add(uid)
             if budget_bytes is not None:
@@ -310,9 +318,9 @@ class Scheduler:
                 continue
             if not self._make_room(u.nbytes, force=False, target=u, prefetching=True):
                 return
-            idle = held_back and not any(self.units[i].ticket is not None
-                                         and not self.units[i].ticket.done()
-                                         for i in self._prefetched)
+            idle = held_back and not any(
+                w.ticket is not None and not w.ticket.done()
+                for w in (*acquiring, *(self.units[i] for i in self._prefetched)))
             self._start_fetch(u)
             self._prefetched[u.id] = idle
 
