@@ -136,20 +136,15 @@ std::pair<uint32_t, uint32_t> dio_alignment(int fd) {
 AlignedBuffer::AlignedBuffer(size_t nbytes) : size_(nbytes) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   mapped_ = std::max<size_t>(page, (nbytes + page - 1) / page * page);
-  if (mapped_ < kHugePage) {
-    void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::system_error(errno, std::generic_category(), "mmap");
-    data_ = static_cast<char*>(p);
-    return;
-  }
-  // Huge-page aligned, with the slack around it unmapped, so that every whole 2 MiB of it can
-  // be one huge page.
-  const size_t span = mapped_ + kHugePage;
+  // From 2 MiB up: huge-page aligned, with the slack around it unmapped, so that every whole
+  // 2 MiB of it can be one huge page.
+  const size_t align = mapped_ >= kHugePage ? kHugePage : page;
+  const size_t span = mapped_ + align - page;
   void* p = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw std::system_error(errno, std::generic_category(), "mmap");
   char* base = static_cast<char*>(p);
   char* start = reinterpret_cast<char*>(
-      (reinterpret_cast<uintptr_t>(base) + kHugePage - 1) / kHugePage * kHugePage);
+      (reinterpret_cast<uintptr_t>(base) + align - 1) / align * align);
   if (start > base) munmap(base, static_cast<size_t>(start - base));
   const size_t tail = static_cast<size_t>(base + span - (start + mapped_));
   if (tail > 0) munmap(start + mapped_, tail);
