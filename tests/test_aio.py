@@ -8,6 +8,7 @@ import platform
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -283,13 +284,24 @@ def test_asyncio_error_propagates(engine, tmp_path):
 
 def test_done_callback_and_dropped_future(engine, tmp_path):
     seen = []
+    called = threading.Event()
+
+    def record(fu: aio.Future) -> None:
+        seen.append(fu.result())
+        called.set()
+
     with aio.open(tmp_path / "d", "w+", engine=engine) as f:
         fut = f.pwrite(aio.aligned_empty(1 << 20), 0)
-        fut.add_done_callback(lambda fu: seen.append(fu.result()))
+        fut.add_done_callback(record)
         fut.result()
+        # As with concurrent.futures, result() may return before the I/O thread has run the
+        # callback (a CI run saw it): wait for it rather than race it.
+        assert called.wait(5)
         # A future dropped at once: the file keeps the buffer alive until the kernel is done.
         f.pread(aio.aligned_empty(1 << 20), 0)
     assert seen == [1 << 20]
+    fut.add_done_callback(lambda fu: seen.append(fu.result()))  # done: runs here, at once
+    assert seen == [1 << 20] * 2
 
 
 def test_default_engine(tmp_path):

@@ -1,6 +1,7 @@
 """Policy.auto and its cost model, and the prefetch depth that adapts at run time."""
 
 import copy
+import dataclasses
 import functools
 import statistics
 import time
@@ -13,6 +14,7 @@ from torch import nn
 
 import tieroffload
 from tieroffload import Policy, memory
+from tieroffload.bench import disk_gbps
 from tieroffload.models import GPT, token_batch
 from tieroffload.planner import Machine, Profile, measure, predict
 
@@ -123,13 +125,22 @@ def test_predicted_step_time_is_close_to_the_measured_one(machine, tmp_path):
                cpu_budget=4 * prof.largest_unit),
         Policy(device="cpu", activations="nvme", nvme_dir=d),
     ]
-    measured = [measure(build, sample, p, steps=2).step_s for p in policies]
-    predicted = [predict(p, prof, machine).step_s for p in policies]
+    # The disk of a shared machine changes speed by the minute (a CI run read 1.6 GB/s where
+    # this machine reads 4): the prediction takes the slower of its figures measured right
+    # before and right after the runs, and each step the faster of two interleaved rounds, as
+    # noise only adds time.
+    before = disk_gbps(d, 128 << 20)
+    rounds = [[measure(build, sample, p, steps=2).step_s for p in policies] for _ in range(2)]
+    after = disk_gbps(d, 128 << 20)
+    disk = dataclasses.replace(machine, read_gbps=min(before[0], after[0]),
+                               write_gbps=min(before[1], after[1]))
+    measured = [min(steps) for steps in zip(*rounds)]
+    predicted = [predict(p, prof, disk).step_s for p in policies]
     ratios = [m / p for m, p in zip(measured, predicted)]
     # The goal is 25% (bench/cost_model.py reports it); on this noisy 2-core machine the model
     # under-predicts the heaviest NVMe traffic by up to 2x, so the test holds it to that, and to
     # the order where it is clear: everything on NVMe is the slowest, predicted and measured.
-    assert all(0.6 <= r <= 2.0 for r in ratios), ratios
+    assert all(0.6 <= r <= 2.0 for r in ratios), (ratios, rounds, before, after)
     assert predicted.index(max(predicted)) == measured.index(max(measured)) == 2, ratios
 
 

@@ -207,7 +207,8 @@ class Future:
         return None
 
     def add_done_callback(self, fn: Callable[[Future], None]) -> None:
-        """Calls ``fn(self)`` once done: at once if it is, else from an I/O thread."""
+        """Calls ``fn(self)`` once done: at once if it is, else from an I/O thread. As with
+        ``concurrent.futures``, ``result()`` in another thread may return before ``fn`` has run."""
         self._req.on_done(lambda: fn(self))
 
     def __await__(self):
