@@ -156,6 +156,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--train", action="store_true", help="forward+backward instead of inference")
     p.add_argument("--threads", type=int, default=None, help="torch compute threads")
+    p.add_argument("--lend-core", action="store_true",
+                   help="Policy(lend_core=True): compute lends a core to reads while behind them")
     args = p.parse_args()
     batches = args.batch or [8, 64]
     tmp = tempfile.TemporaryDirectory(dir=args.dir or ".", prefix="bench-offload-")
@@ -168,11 +170,12 @@ def main() -> None:
     nbytes = sum(q.numel() * q.element_size() for q in model.parameters())
     print(f"{len(model)} x Linear({WIDTH},{WIDTH}) = {nbytes / 2**30:.2f} GiB fp32, "
           f"{'train step' if args.train else 'inference'}, cold cache, medians of {args.repeats}"
-          " interleaved runs")
+          f" interleaved runs{', lend_core' if args.lend_core else ''}")
     xs = {b: torch.randn(b, WIDTH) for b in batches}
     ours_model = tieroffload.offload(build(args.gib), tieroffload.Policy(
         params="nvme", nvme_dir=directory, device="cpu", cpu_budget=args.budget,
-        prefetch=int(args.prefetch) if args.prefetch.isdigit() else args.prefetch))
+        prefetch=int(args.prefetch) if args.prefetch.isdigit() else args.prefetch,
+        lend_core=args.lend_core))
     contenders = {"resident": model, "tieroffload": ours_model}
     try:
         from accelerate import disk_offload
@@ -225,7 +228,8 @@ def main() -> None:
     print(f"pure I/O (read {nbytes / 1e9:.2f} GB, O_DIRECT 1 MiB qd32): {io_s:.2f} s "
           f"= {nbytes / io_s / 1e9:.2f} GB/s")
     print(f"tieroffload stats: wait {st['wait_s']:.2f} s, hits {st['hits']}, late {st['late']}, "
-          f"misses {st['misses']}, peak resident {st['peak_resident'] / 2**20:.0f} MiB "
+          f"misses {st['misses']}, lent {st['lent']}, "
+          f"peak resident {st['peak_resident'] / 2**20:.0f} MiB "
           f"(budget {st['budget'] / 2**20:.0f} MiB + staging {st['overhead'] / 2**20:.0f} MiB)")
     print(f"{'batch':>5} {'resident':>9} {'read':>8} {'I/O':>6} {'phases':>7} {'overlap':>8} "
           f"{'tieroffload':>12} {'accelerate':>11} {'ours/max(c,io)':>15} {'ours/phases':>12} "

@@ -196,6 +196,50 @@ def test_injected_io_delays_do_not_change_results(tmp_path, delay):
     tieroffload.close(model)
 
 
+@pytest.mark.parametrize("lend", [True, False])
+def test_compute_lends_a_core_to_reads_only_while_behind_them(tmp_path, lend):
+    """Reads slowed far below compute: after most acquires the next unit is still being read,
+    and compute runs on one thread fewer, with results equal but for rounding; the user's
+    thread count is back once forward or backward ends. With room for every unit, nothing is
+    read after the first pass, compute is never behind, and it keeps every thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        ref = mlp(width=256, depth=12)
+        seen: list[int] = []
+        for m in ref:
+            m.register_forward_hook(lambda *_: seen.append(torch.get_num_threads()))
+        x = torch.randn(1, 256)
+        want = ref(x)
+        want_grads = torch.autograd.grad(loss_of(want), list(ref.parameters()))
+        for budget, behind in ((4 * 257 * 256 * 4, True), ("64MiB", False)):
+            model = tieroffload.offload(
+                copy.deepcopy(ref),
+                Policy(params="nvme", nvme_dir=str(tmp_path), device="cpu", cpu_budget=budget,
+                       prefetch=1, adapt=False, lend_core=lend),
+                _io_delay=functools.partial(time.sleep, 0.01))
+            for _ in range(3):
+                seen.clear()
+                out = model(x)
+                assert torch.get_num_threads() == 2
+                grads = torch.autograd.grad(loss_of(out), list(model.parameters()))
+                assert torch.get_num_threads() == 2
+                # Fewer threads may add in another order: equal but for the last bits.
+                same = torch.equal if not lend else functools.partial(torch.allclose, rtol=1e-5)
+                assert same(out, want)
+                assert all(same(a, b) for a, b in zip(grads, want_grads))
+            lent = tieroffload.stats(model)["lent"]
+            tieroffload.close(model)
+            if lend and behind:
+                assert seen.count(1) >= len(seen) // 2, seen  # in the last forward
+                assert lent > 0
+            else:
+                assert seen == [2] * len(seen) and lent == 0, (budget, seen)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_state_dict_round_trip_and_torch_save(tmp_path):
     ref, model = pair("gpt", "nvme", tmp_path)
     path = tmp_path / "sd.pt"

@@ -31,6 +31,7 @@ from .policy import Policy
 from .scheduler import Scheduler
 from .sizes import format_bytes
 from .swap import SwapSpace, stable_tag
+from .threads import CoreLender
 from .tiers import Mover, NvmeHome, RamHome, State, Stats, Unit
 
 log = logging.getLogger("tieroffload")
@@ -65,6 +66,8 @@ class OffloadState:
         self.policy = policy
         self.device = policy.compute_device()
         self.stats = Stats()
+        self.cores = CoreLender(policy.lend_core and policy.params == "nvme"
+                                and self.device.type == "cpu")
         self._handles: list[Any] = []
         self._bwd_pins: dict[int, int] = {}
         self._bwd_callback_queued = False
@@ -344,9 +347,11 @@ class OffloadState:
                 self._fresh_forward = True
                 for opt in list(self.optimizers):
                     opt.forward_begins()
+            self.cores.give_back()  # a forward that raised kept it
         self.scheduler.begin_iteration()
 
     def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.cores.give_back()  # the code between passes is the user's
         self.settle()  # units the forward did not use: their updates precede backward
 
     def _pre_forward(self, units: list[Unit]) -> Callable:
@@ -358,6 +363,12 @@ class OffloadState:
         """Brings ``units`` in for compute, after any deferred optimizer update of theirs."""
         self.settle(units)
         self.scheduler.acquire(units)
+        self._lend_core()
+
+    def _lend_core(self) -> None:
+        """Compute on one thread fewer while it is behind its reads (see ``threads``)."""
+        self.cores.lend(self.scheduler.behind())
+        self.stats.lent += self.cores.lent
 
     def settle(self, units: list[Unit] | None = None) -> None:
         """Applies the paged optimizers' deferred updates of ``units`` (all: None)."""
@@ -389,6 +400,7 @@ class OffloadState:
             for opt in list(self.optimizers):
                 opt.backward_begins()
         self.scheduler.acquire(units)
+        self._lend_core()
         for u in units:
             self._bwd_pins[u.id] = self._bwd_pins.get(u.id, 0) + 1
 
@@ -422,6 +434,7 @@ class OffloadState:
 
     def _end_backward(self) -> None:
         self._bwd_callback_queued = False
+        self.cores.give_back()
         for uid, seen in self._grads_seen.items():
             if seen:  # some parameters of the unit got no gradient this time
                 self._grads_ready(self.units[uid])
@@ -539,6 +552,7 @@ class OffloadState:
     def close(self, restore: bool = True) -> None:
         """Removes the hooks and the swap space. With ``restore`` the parameters are made
         resident first, so the model goes on as a plain model."""
+        self.cores.give_back()
         if restore:
             self.settle()
         for opt in list(self.optimizers):
@@ -606,8 +620,9 @@ def _state(model: nn.Module) -> OffloadState:
 
 def stats(model: nn.Module) -> dict[str, Any]:
     """Bytes moved per tier and direction, seconds compute waited on I/O, prefetch hits, late
-    prefetches and misses, evictions, resident and peak resident bytes on the compute device,
-    the budget and the fixed staging overhead."""
+    prefetches and misses, acquires after which compute lent a core to I/O (``lent``),
+    evictions, resident and peak resident bytes on the compute device, the budget and the
+    fixed staging overhead."""
     s = _state(model)
     d = s.stats.as_dict()
     if s.activations is not None:

@@ -91,6 +91,9 @@ class Policy:
     ``activations``: where tensors saved for backward are paged during forward ("cpu", "nvme",
     or None to leave them); those under ``activation_threshold`` bytes stay put. ``adapt``:
     the prefetch depth follows measured stalls and memory pressure (see ``stats()``).
+    ``lend_core``: with params on NVMe and compute on the CPU, compute runs on one thread fewer
+    while it is behind its reads, leaving the reads a core (``tieroffload.threads``); off by
+    default, as results then differ in the last bits from a run at a fixed thread count.
     """
 
     params: str = "cpu"
@@ -105,6 +108,7 @@ class Policy:
     activations: str | None = None
     activation_threshold: int | str = "1MiB"
     adapt: bool = True
+    lend_core: bool = False
 
     def __post_init__(self) -> None:
         if self.params not in TIERS:

@@ -158,6 +158,13 @@ class Scheduler:
         for u in units:
             self._finish(u)
 
+    def behind(self) -> bool:
+        """The next unit along the trace is still being read: compute will wait for I/O."""
+        if not self.on_track or not self.trace:
+            return False
+        u = self.units[self.trace[self.cursor % len(self.trace)]]
+        return u.state is State.FETCHING and u.ticket is not None and not u.ticket.done()
+
     def release(self, units: list[Unit]) -> None:
         for u in units:
             u.pins -= 1

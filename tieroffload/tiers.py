@@ -62,6 +62,7 @@ class Stats:
     evictions: int = 0
     reorders: int = 0      # execution left the recorded order: re-recorded
     wasted: int = 0        # prefetched, then evicted before use
+    lent: int = 0          # acquires after which compute ran with a core lent to I/O
     prefetch: int = 0      # the prefetch depth now (units, or bytes for a size)
     adaptations: list = field(default_factory=list)  # changes of the depth, and why
     peak_resident: int = 0
