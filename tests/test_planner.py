@@ -13,7 +13,7 @@ from models import mlp
 from torch import nn
 
 import tieroffload
-from tieroffload import Policy, memory
+from tieroffload import IOConfig, Policy, memory
 from tieroffload.bench import disk_gbps
 from tieroffload.models import GPT, token_batch
 from tieroffload.planner import Machine, Profile, measure, predict
@@ -128,10 +128,13 @@ def test_predicted_step_time_is_close_to_the_measured_one(machine, tmp_path):
     # The disk of a shared machine changes speed by the minute (a CI run read 1.6 GB/s where
     # this machine reads 4): the prediction takes the slower of its figures measured right
     # before and right after the runs, and each step the faster of two interleaved rounds, as
-    # noise only adds time.
-    before = disk_gbps(d, 128 << 20)
+    # noise only adds time. These small models keep a few MiB in flight (units of 2 MiB, two
+    # ahead; activations one at a time), so the disk is measured at queue depth 4, not 32: on
+    # a disk with high latency the two differ, on this one they do not.
+    io = IOConfig(queue_depth=4)
+    before = disk_gbps(d, 128 << 20, io)
     rounds = [[measure(build, sample, p, steps=2).step_s for p in policies] for _ in range(2)]
-    after = disk_gbps(d, 128 << 20)
+    after = disk_gbps(d, 128 << 20, io)
     disk = dataclasses.replace(machine, read_gbps=min(before[0], after[0]),
                                write_gbps=min(before[1], after[1]))
     measured = [min(steps) for steps in zip(*rounds)]
