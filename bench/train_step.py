@@ -66,6 +66,8 @@ def main() -> None:
     p.add_argument("--step-in-backward", action="store_true",
                    help='tieroffload.optimizer(overlap="backward"): each chunk steps during '
                         "backward")
+    p.add_argument("--lend-core", action="store_true",
+                   help="Policy(lend_core=True): compute lends a core to reads while behind them")
     p.add_argument("--meta", action="store_true",
                    help="no resident run: build on the meta device and stream random weights "
                         "into NVMe (for a model whose training state exceeds RAM)")
@@ -100,7 +102,7 @@ def main() -> None:
         "prefetch": int(args.prefetch) if args.prefetch.isdigit() else args.prefetch}
     tieroffload.offload(model, tieroffload.Policy(
         params="nvme", optimizer="nvme", grads="nvme", nvme_dir=tmp.name, device="cpu",
-        cpu_budget=args.budget, **prefetch))
+        cpu_budget=args.budget, lend_core=args.lend_core, **prefetch))
     if args.meta:
         t0 = time.perf_counter()
         tieroffload.load_weights(model, RandomWeights(model))
@@ -127,7 +129,9 @@ def main() -> None:
     floor = io_bound if resident is None else max(resident, io_bound)
     print(f"step time: resident {'-' if resident is None else f'{resident:.2f} s'}, "
           f"tieroffload {ours:.2f} s ({ours / floor:.2f}x max(compute, I/O bound)); "
-          f"waited on I/O {(st['wait_s'] - st0['wait_s']) / args.steps:.2f} s/step")
+          f"waited on I/O {(st['wait_s'] - st0['wait_s']) / args.steps:.2f} s/step"
+          + (f"; a core lent at {(st['lent'] - st0['lent']) / args.steps:.0f} acquires/step"
+             if args.lend_core else ""))
     print(f"peak RSS over the measured steps: {format_bytes(peak)} "
           f"({format_bytes(peak - base)} above the {format_bytes(base)} before them); "
           f"budget {format_bytes(st['budget'])}, staging {format_bytes(st['overhead'])}"

@@ -18,6 +18,7 @@ from torch import nn
 
 import tieroffload
 from tieroffload import Policy
+from tieroffload.threads import CoreLender
 from tieroffload.tiers import State
 
 MODELS = {
@@ -236,6 +237,25 @@ def test_compute_lends_a_core_to_reads_only_while_behind_them(tmp_path, lend):
                 assert lent > 0
             else:
                 assert seen == [2] * len(seen) and lent == 0, (budget, seen)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_core_is_lent_after_a_wait_and_kept_while_behind():
+    """A unit still on its way is not enough to lend (it may arrive in time); a wait for it is.
+    Once lent, the core stays lent while the next unit is being read."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        cores = CoreLender(enabled=True)
+        steps = [((False, True), 3), ((True, False), 3), ((True, True), 2), ((False, True), 2),
+                 ((True, True), 2), ((False, False), 3)]
+        for (waited, behind), want in steps:
+            cores.lend(waited, behind)
+            assert torch.get_num_threads() == want, (waited, behind)
+        off = CoreLender(enabled=False)
+        off.lend(True, True)
+        assert torch.get_num_threads() == 3 and not off.lent
     finally:
         torch.set_num_threads(threads)
 

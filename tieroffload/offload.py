@@ -367,7 +367,7 @@ class OffloadState:
 
     def _lend_core(self) -> None:
         """Compute on one thread fewer while it is behind its reads (see ``threads``)."""
-        self.cores.lend(self.scheduler.behind())
+        self.cores.lend(self.scheduler.waited, self.scheduler.behind())
         self.stats.lent += self.cores.lent
 
     def settle(self, units: list[Unit] | None = None) -> None:

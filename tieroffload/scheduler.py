@@ -52,6 +52,7 @@ class Scheduler:
         # every unit of depth is one more unit read per pass.
         self._starved = 0
         self._window_full = False  # the last prefetch stopped at the window's end
+        self.waited = False  # the last acquire waited for a read of its units
         # Fetched ahead, not used yet: unit -> its read started with no other in flight, the
         # window having held it back at the acquire before (not the budget: a deeper window
         # would not have started it sooner).
@@ -155,6 +156,7 @@ class Scheduler:
         # (the window does not count the units acquired).
         if record:
             self._prefetch(units)
+        self.waited = any(u.ticket is not None and not u.ticket.done() for u in units)
         for u in units:
             self._finish(u)
 
