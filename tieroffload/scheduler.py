@@ -161,7 +161,7 @@ class Scheduler:
             self._finish(u)
 
     def behind(self) -> bool:
-        """The next unit along the trace is still being read: compute will wait for I/O."""
+        """The next unit along the trace is still being read (compute may wait for it)."""
         if not self.on_track or not self.trace:
             return False
         u = self.units[self.trace[self.cursor % len(self.trace)]]
