@@ -367,6 +367,8 @@ class OffloadState:
 
     def _lend_core(self) -> None:
         """Compute on one thread fewer while it is behind its reads (see ``threads``)."""
+        if not self.cores.enabled:
+            return
         self.cores.lend(self.scheduler.waited, self.scheduler.behind())
         self.stats.lent += self.cores.lent
 

@@ -156,7 +156,7 @@ class Scheduler:
         # (the window does not count the units acquired).
         if record:
             self._prefetch(units)
-        self.waited = any(u.ticket is not None and not u.ticket.done() for u in units)
+        self.waited = any(u.reading for u in units)
         for u in units:
             self._finish(u)
 
@@ -164,8 +164,7 @@ class Scheduler:
         """The next unit along the trace is still being read (compute may wait for it)."""
         if not self.on_track or not self.trace:
             return False
-        u = self.units[self.trace[self.cursor % len(self.trace)]]
-        return u.state is State.FETCHING and u.ticket is not None and not u.ticket.done()
+        return self.units[self.trace[self.cursor % len(self.trace)]].reading
 
     def release(self, units: list[Unit]) -> None:
         for u in units:
@@ -328,8 +327,7 @@ class Scheduler:
             if not self._make_room(u.nbytes, force=False, target=u, prefetching=True):
                 return
             idle = held_back and not any(
-                w.ticket is not None and not w.ticket.done()
-                for w in (*acquiring, *(self.units[i] for i in self._prefetched)))
+                w.reading for w in (*acquiring, *(self.units[i] for i in self._prefetched)))
             self._start_fetch(u)
             self._prefetched[u.id] = idle
 

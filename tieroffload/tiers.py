@@ -319,6 +319,11 @@ class Unit:
     def params(self) -> list[torch.nn.Parameter]:
         return [s.param for s in self.segments]
 
+    @property
+    def reading(self) -> bool:
+        """Its read has started and not yet arrived."""
+        return self.state is State.FETCHING and self.ticket is not None and not self.ticket.done()
+
     def adopt_flat(self, align: int) -> None:
         """CPU compute with an NVMe home: the parameters become views of one page-aligned
         buffer, which O_DIRECT fills and drains with no staging copy, and which is released
