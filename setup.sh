@@ -37,14 +37,8 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     echo "setup: GPU found, installing torch (CUDA build)"
     "${pip[@]}" torch
   else
-    echo "setup: no GPU, installing torch 2.13.0 (CPU build)"
-    # A CPU wheel on local disk (find-links) first; else PyTorch's CPU index.
-    if "${pip[@]}" --no-index --no-deps torch==2.13.0 2>/dev/null; then
-      "${pip[@]}" torch==2.13.0
-    else
-      "${pip[@]}" torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
-        --extra-index-url https://pypi.org/simple
-    fi
+    echo "setup: no GPU, installing torch 2.13.0 (CPU build, from pip's configured index)"
+    "${pip[@]}" torch==2.13.0
   fi
 fi
 

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 import tieroffload
-from tieroffload.memory import peak_rss, reset_peak_rss, return_freed_memory, rss
-from tieroffload.models import GPT, token_batch
-from tieroffload.sizes import format_bytes
+from tieroffload.testing.models import GPT, token_batch
+from tieroffload.utils.memory import peak_rss, reset_peak_rss, return_freed_memory, rss
+from tieroffload.utils.sizes import format_bytes
 
 
 def main() -> None:

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from tieroffload import Policy
-from tieroffload.models import GPT, token_batch
 from tieroffload.planner import Machine, Profile, measure, predict
-from tieroffload.sizes import format_bytes
+from tieroffload.testing.models import GPT, token_batch
+from tieroffload.utils.sizes import format_bytes
 
 MODELS = {
     "GPT 8x512 seq 256": dict(vocab=2048, d=512, layers=8, heads=8, seq=256, batch=4),

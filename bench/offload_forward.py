@@ -40,7 +40,7 @@ from torch import nn
 
 import tieroffload
 from tieroffload import aio
-from tieroffload.memory import drop_page_cache
+from tieroffload.utils.memory import drop_page_cache
 
 WIDTH = 4096
 

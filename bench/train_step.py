@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 import tieroffload
-from tieroffload.bench import disk_gbps
-from tieroffload.memory import peak_rss, start_peak
-from tieroffload.models import GPT, token_batch
-from tieroffload.sizes import format_bytes
+from tieroffload.aio.throughput import disk_gbps
+from tieroffload.testing.models import GPT, token_batch
+from tieroffload.utils.memory import peak_rss, start_peak
+from tieroffload.utils.sizes import format_bytes
 
 
 class RandomWeights(dict):

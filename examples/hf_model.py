@@ -13,8 +13,8 @@ import shutil
 import torch
 
 import tieroffload
-from tieroffload.models import token_batch
-from tieroffload.sizes import format_bytes
+from tieroffload.testing.models import token_batch
+from tieroffload.utils.sizes import format_bytes
 
 
 def main() -> None:

@@ -16,9 +16,9 @@ import torch
 from tqdm import tqdm
 
 import tieroffload
-from tieroffload.memory import peak_rss
-from tieroffload.models import GPT, token_batch
-from tieroffload.sizes import format_bytes
+from tieroffload.testing.models import GPT, token_batch
+from tieroffload.utils.memory import peak_rss
+from tieroffload.utils.sizes import format_bytes
 
 
 def main() -> None:

@@ -3,16 +3,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <sys/mman.h>
-
-#include <cerrno>
 #include <system_error>
 
-#ifndef MREMAP_DONTUNMAP
-#define MREMAP_DONTUNMAP 4  // Linux 5.7; older glibc headers lack the name
-#endif
-
 #include "engine.h"
+#include "pages.h"
 
 namespace py = pybind11;
 using namespace tieroffload;
@@ -82,53 +76,17 @@ PYBIND11_MODULE(_native, m) {
                                {b.size()}, {1});
       });
 
-  m.def(
-      "discard",
-      [](uintptr_t addr, size_t nbytes) {
-        if (madvise(reinterpret_cast<void*>(addr), nbytes, MADV_DONTNEED) != 0)
-          throw std::system_error(errno, std::generic_category(), "madvise");
-      },
-      py::arg("addr"), py::arg("nbytes"),
-      "Gives the pages of [addr, addr+nbytes) back to the OS (page aligned); they read as zeros.");
-  m.def(
-      "renew",
-      [](uintptr_t addr, size_t nbytes) {
-        if (mmap(reinterpret_cast<void*>(addr), nbytes, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED)
-          throw std::system_error(errno, std::generic_category(), "mmap");
-        advise_huge(reinterpret_cast<void*>(addr), nbytes);  // a new mapping loses the advice
-      },
-      py::arg("addr"), py::arg("nbytes"),
-      "Maps [addr, addr+nbytes) afresh as one mapping (page aligned), whatever mappings moves\n"
-      "split it into; it reads as zeros.");
-  m.def(
-      "park",
-      [](uintptr_t addr, size_t nbytes) -> int64_t {
-        void* p = mremap(reinterpret_cast<void*>(addr), nbytes, nbytes,
-                         MREMAP_MAYMOVE | MREMAP_DONTUNMAP, nullptr);
-        return p == MAP_FAILED ? -errno : static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
-      },
-      py::arg("addr"), py::arg("nbytes"),
-      "Moves the pages of [addr, addr+nbytes) to a new range and returns its address; the old\n"
-      "range stays mapped and reads as zeros, as after discard. -errno where the kernel refuses\n"
-      "(EINVAL before Linux 5.7, EFAULT for a range over two mappings).");
-  m.def(
-      "place",
-      [](uintptr_t src, uintptr_t dst, size_t nbytes) {
-        if (mremap(reinterpret_cast<void*>(src), nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED,
-                   reinterpret_cast<void*>(dst)) == MAP_FAILED)
-          throw std::system_error(errno, std::generic_category(), "mremap");
-      },
-      py::arg("src"), py::arg("dst"), py::arg("nbytes"),
-      "Moves the pages of [src, src+nbytes) (a parked range) over [dst, dst+nbytes): no page\n"
-      "is zeroed or copied; src is unmapped.");
-  m.def(
-      "unmap",
-      [](uintptr_t addr, size_t nbytes) {
-        if (munmap(reinterpret_cast<void*>(addr), nbytes) != 0)
-          throw std::system_error(errno, std::generic_category(), "munmap");
-      },
-      py::arg("addr"), py::arg("nbytes"), "Unmaps a parked range: its pages go to the OS.");
+  m.def("discard", &discard_pages, py::arg("addr"), py::arg("nbytes"),
+        "Gives the pages of [addr, addr+nbytes) back to the OS (page aligned); they read as zeros.");
+  m.def("renew", &renew_pages, py::arg("addr"), py::arg("nbytes"),
+        "Maps [addr, addr+nbytes) afresh as one mapping (page aligned); it reads as zeros.");
+  m.def("park", &park_pages, py::arg("addr"), py::arg("nbytes"),
+        "Moves the pages of [addr, addr+nbytes) to a new range and returns its address (the old\n"
+        "range reads as zeros), or -errno where the kernel refuses.");
+  m.def("place", &place_pages, py::arg("src"), py::arg("dst"), py::arg("nbytes"),
+        "Moves the pages of a parked range [src, src+nbytes) over [dst, dst+nbytes); src is unmapped.");
+  m.def("unmap", &unmap_pages, py::arg("addr"), py::arg("nbytes"),
+        "Unmaps a parked range: its pages go to the OS.");
   m.def("uring_compiled", &uring_compiled, "True when built with liburing.");
   m.def("uring_probe", &uring_probe,
         "0 when an io_uring ring can be created here, else the errno that refused it.");

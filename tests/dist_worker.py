@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import tieroffload
 from tieroffload import Policy
-from tieroffload.models import GPT, token_batch
+from tieroffload.testing.models import GPT, token_batch
 
 VOCAB, SEQ, BATCH = 97, 16, 8  # BATCH: the global batch, split over the ranks
 

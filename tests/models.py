@@ -4,7 +4,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tieroffload.models import GPT
+from tieroffload.testing.models import GPT
 
 
 def mlp(width: int = 64, depth: int = 6) -> nn.Module:

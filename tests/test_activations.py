@@ -12,7 +12,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import tieroffload
-from tieroffload import AutoBatch, Policy, memory
+from tieroffload import AutoBatch, Policy
+from tieroffload.utils import memory
 
 
 class Stack(nn.Module):

@@ -4,6 +4,7 @@ error and exit code 2, and the scratch file never outlives the run (errors and C
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,10 +13,12 @@ import time
 import pytest
 from conftest import mounted
 
-from tieroffload import bench
-from tieroffload.policy import IOConfig
+from tieroffload import IOConfig, aio
+from tieroffload.aio import throughput
+from tieroffload.cli import bench
+from tieroffload.cli.bench import common, report
 
-BENCH = [sys.executable, "-m", "tieroffload.bench", "nvme"]
+BENCH = [sys.executable, "-m", "tieroffload.cli.bench", "nvme"]
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -50,12 +53,12 @@ def test_quick_run_writes_json_that_the_policy_loads(tmp_path):
         assert r["gbps"] > 0 and (r["ratio_to_fio"] is None or r["ratio_to_fio"] > 0), r
     engines = {r["engine"] for r in data["runs"]}
     assert {"python", "aiofiles"} <= engines
-    assert {f"tieroffload/{b}" for b in bench.aio.backends()} <= engines
+    assert {f"tieroffload/{b}" for b in aio.backends()} <= engines
 
     cfg = IOConfig.from_json(out)
     assert cfg.to_dict() == data["recommended"]
     assert cfg == IOConfig.from_dict(data["recommended"])
-    assert cfg.backend in bench.aio.backends()
+    assert cfg.backend in aio.backends()
     assert data["recommended_figures"]["read_gbps"] > 0
     assert data["recommended_figures"]["write_gbps"] > 0
     if has_mpl:
@@ -63,7 +66,7 @@ def test_quick_run_writes_json_that_the_policy_loads(tmp_path):
 
 
 def test_without_fio_the_run_says_so_and_has_no_ratios(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "FIO", "no-such-fio-here")
+    monkeypatch.setattr(common, "FIO", "no-such-fio-here")
     result = bench.run_nvme(tmp_path, "8M", quick=True, progress=False)
     assert any("fio is not installed" in n for n in result["notes"])
     assert all(r["ratio_to_fio"] is None for r in result["summary"])
@@ -83,7 +86,7 @@ def test_recommendation_prefers_less_memory_in_flight_when_within_three_percent(
                + rows("tieroffload/threads", 1 << 20, 32, 2.95)
                + rows("tieroffload/io_uring", 1 << 20, 8, 2.50)
                + rows("fio", 128 << 10, 1, 9.0))
-    recommended, figures = bench._recommend(summary)
+    recommended, figures = report.recommend(summary)
     assert recommended == {"backend": "threads", "block_size": 1 << 20, "queue_depth": 32,
                            "threads": 32}
     assert figures["read_gbps"] == 2.95
@@ -135,7 +138,7 @@ def test_output_into_a_missing_directory_fails_before_measuring(tmp_path):
 
 
 def test_plot_without_matplotlib_fails_before_measuring(tmp_path):
-    code = ("import sys; sys.modules['matplotlib'] = None; from tieroffload.bench import main; "
+    code = ("import sys; sys.modules['matplotlib'] = None; from tieroffload.cli.bench import main; "
             f"sys.exit(main(['nvme', '--dir', {str(tmp_path)!r}, '--quick', '--plot', 'x.png']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
@@ -221,8 +224,8 @@ def two_dirs(tmp_path):
 def test_bad_input_with_several_directories(tmp_path, monkeypatch, kw, words):
     a, b = two_dirs(tmp_path)
     if "free" in kw:  # room for one process's 16M, not for two
-        real = bench.shutil.disk_usage
-        monkeypatch.setattr(bench.shutil, "disk_usage",
+        real = shutil.disk_usage
+        monkeypatch.setattr(shutil, "disk_usage",
                             lambda d: real(d)._replace(free=kw["free"]))
     dirs = [a, tmp_path / "a" / "."] if kw.get("same") else [a, b]
     with pytest.raises(bench.BenchError) as e:
@@ -235,15 +238,15 @@ def test_bad_input_with_several_directories(tmp_path, monkeypatch, kw, words):
 def test_a_failing_aggregate_removes_its_files(tmp_path, monkeypatch):
     a, b = two_dirs(tmp_path)
 
-    real = bench._stream
+    real = throughput.stream
 
     def fail(f, bufs, size, write):
-        if not isinstance(f, bench.aio.StripedFile):  # one directory: goes well
+        if not isinstance(f, aio.StripedFile):  # one directory: goes well
             return real(f, bufs, size, write)
         assert all(os.path.exists(p) for p in f.paths)  # striped over both directories
         raise OSError("the disk is on fire")
 
-    monkeypatch.setattr(bench, "_stream", fail)
+    monkeypatch.setattr(throughput, "stream", fail)
     with pytest.raises(OSError, match="the disk is on fire"):
         bench.run_nvme([a, b], "8M", quick=True, progress=False)
     assert os.listdir(a) == [] and os.listdir(b) == []

@@ -13,7 +13,7 @@ from models import TinyGPT
 
 import tieroffload
 from tieroffload import Policy, aio
-from tieroffload.swap import STRIPE, SwapSpace
+from tieroffload.aio.swap import STRIPE, SwapSpace
 
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 
@@ -152,7 +152,7 @@ def one_rank():
 def _sharded(seed: int = 0) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    from tieroffload.models import GPT
+    from tieroffload.testing.models import GPT
 
     torch.manual_seed(seed)
     model = GPT(97, 40, 3, 4, 16)
@@ -164,7 +164,7 @@ def _sharded(seed: int = 0) -> torch.nn.Module:
 def test_fsdp_shards_paged_in_process_equal_fsdp_alone(one_rank, tmp_path):
     import torch.nn.functional as F
 
-    from tieroffload.models import token_batch
+    from tieroffload.testing.models import token_batch
 
     ref, model = _sharded(), _sharded()
     # room for the largest group (a block) and a little: most of the model is away at a time

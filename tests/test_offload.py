@@ -18,8 +18,8 @@ from torch import nn
 
 import tieroffload
 from tieroffload import Policy
-from tieroffload.threads import CoreLender
-from tieroffload.tiers import State
+from tieroffload.core.threads import CoreLender
+from tieroffload.core.units import State
 
 MODELS = {
     "mlp": (lambda: mlp(), lambda g: torch.randn(4, 64, generator=g)),
@@ -398,7 +398,7 @@ def test_nvme_dir_without_room_is_refused_before_writing(tmp_path):
 RSS_CHILD = r"""
 import resource, sys, torch, tieroffload
 from torch import nn
-from tieroffload.memory import peak_rss, reset_peak_rss, rss
+from tieroffload.utils.memory import peak_rss, reset_peak_rss, rss
 
 torch.manual_seed(0)
 model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(16)])  # 16 MiB a unit, 256 MiB
@@ -505,7 +505,7 @@ def test_page_pool_moves_pages_without_copying():
     """Pages parked from one buffer land in another with their bytes; the first reads zeros
     and keeps its address; a unit filled from pieces parks them again one by one."""
     from tieroffload import _native, aio
-    from tieroffload.tiers import PagePool
+    from tieroffload.aio.pages import PagePool
 
     pool = PagePool(cap=3 << 20)
     a, b = aio.aligned_empty(1 << 20, pin=False), aio.aligned_empty(2 << 20, pin=False)
@@ -553,7 +553,7 @@ def test_unit_buffers_are_backed_by_huge_pages():
     it is freed and mapped afresh: O_DIRECT reads into 4 KiB pages scattered in memory ran
     at 1.25 GB/s beside compute where huge pages took 1.77 GB/s, as a device takes at most
     so many segments per request."""
-    from tieroffload.tiers import Unit
+    from tieroffload.core.units import Unit
 
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -577,7 +577,7 @@ def test_unit_buffers_are_backed_by_huge_pages():
 HEAP_CHILD = r"""
 import sys, torch, tieroffload
 from torch import nn
-from tieroffload.memory import return_freed_memory, rss
+from tieroffload.utils.memory import return_freed_memory, rss
 budget, first, second = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 tieroffload.offload(nn.Linear(64, 64), tieroffload.Policy(
     params="nvme", nvme_dir=sys.argv[1], device="cpu", cpu_budget=budget))
@@ -610,7 +610,8 @@ def test_unit_parks_every_page_after_partial_fills():
     moves split its mapping (it discarded most of them, to fault them in again, when they
     did), and as many as the cap leaves room for when the pool is nearly full."""
     from tieroffload import aio
-    from tieroffload.tiers import PagePool, Unit
+    from tieroffload.aio.pages import PagePool
+    from tieroffload.core.units import Unit
 
     mib = 1 << 20
     u = Unit(0, "u", [("w", torch.nn.Parameter(torch.zeros(3 * mib // 4)))])
@@ -644,7 +645,7 @@ def test_plain_optimizer_step_warns_once(tmp_path, caplog):
     torch.manual_seed(0)
     model = tieroffload.offload(mlp(), policy_for("nvme", tmp_path, cpu_budget="40KiB"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sys.modules["tieroffload.offload"]._warned_step = False
+    sys.modules["tieroffload.hooks.steps"]._warned_step = False
     with caplog.at_level(logging.WARNING, logger="tieroffload"):
         for _ in range(2):
             loss_of(model(torch.randn(2, 64))).backward()

@@ -381,7 +381,7 @@ def test_full_disk_keeps_previous_checkpoint(tmp_path):
 MEMORY_CHILD = r"""
 import sys, torch, tieroffload
 from torch import nn
-from tieroffload.memory import peak_rss, reset_peak_rss, rss
+from tieroffload.utils.memory import peak_rss, reset_peak_rss, rss
 torch.manual_seed(0)
 with torch.device("meta"):
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])  # 64 MiB of params

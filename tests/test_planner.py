@@ -13,10 +13,11 @@ from models import mlp
 from torch import nn
 
 import tieroffload
-from tieroffload import IOConfig, Policy, memory
-from tieroffload.bench import disk_gbps
-from tieroffload.models import GPT, token_batch
+from tieroffload import IOConfig, Policy
+from tieroffload.aio.throughput import disk_gbps
 from tieroffload.planner import Machine, Profile, measure, predict
+from tieroffload.testing.models import GPT, token_batch
+from tieroffload.utils import memory
 
 # Three shapes: deep and narrow, wide and shallow, long sequence (activation heavy).
 SHAPES = {

@@ -1,12 +1,14 @@
 """tieroffload: tiered memory offload (GPU, CPU RAM, NVMe) for PyTorch."""
 
 from . import aio
-from .autobatch import AutoBatch
+from ._version import __version__
+from .aio.config import IOConfig
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .offload import close, load_weights, materialize, offload, stats
-from .optimizer import optimizer
-from .policy import IOConfig, Policy
+from .hooks import close, drop_stored_grads, load_weights, materialize, offload, stats
+from .optim import optimizer
+from .planner import AutoBatch
+from .policy import Policy
 
-__all__ = ["AutoBatch", "CheckpointError", "IOConfig", "Policy", "aio", "close", "load_checkpoint",
-           "load_weights", "materialize", "offload", "optimizer", "save_checkpoint", "stats"]
-__version__ = "0.1.0"
+__all__ = ["AutoBatch", "CheckpointError", "IOConfig", "Policy", "__version__", "aio", "close",
+           "drop_stored_grads", "load_checkpoint", "load_weights", "materialize", "offload",
+           "optimizer", "save_checkpoint", "stats"]

@@ -1,203 +1,15 @@
-"""Policies: small frozen dataclasses that say where tensors live and how I/O is done."""
+"""The user's ``Policy``: the offload settings, with ``Policy.auto`` to choose them."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from .sizes import parse_bytes
-
-
-@dataclass(frozen=True)
-class IOConfig:
-    """Settings of the async I/O engine. ``tieroffload-bench nvme --json`` writes a
-    ``recommended`` block that ``IOConfig.from_dict`` (or ``from_json``) loads."""
-
-    backend: str = "auto"
-    block_size: int = 1 << 20
-    queue_depth: int = 32
-    threads: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.backend not in ("auto", "io_uring", "threads"):
-            raise ValueError(f"io.backend must be 'auto', 'io_uring' or 'threads', "
-                             f"not {self.backend!r}")
-        if self.block_size < 4096 or self.block_size % 4096:
-            raise ValueError(f"io.block_size must be a positive multiple of 4096, "
-                             f"not {self.block_size}")
-        if self.queue_depth < 1:
-            raise ValueError(f"io.queue_depth must be at least 1, not {self.queue_depth}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"io.threads must be at least 1 or None, not {self.threads}")
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> IOConfig:
-        """Builds from a dict, e.g. the bench's ``recommended`` block; unknown keys are refused."""
-        if "recommended" in d:
-            d = d["recommended"]
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown I/O settings {unknown}; known: {sorted(names)}")
-        return cls(**d)
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike) -> IOConfig:
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def engine(self):
-        """A new ``aio.Engine`` with these settings."""
-        from . import aio
-
-        return aio.Engine(self.backend, self.queue_depth, self.block_size, self.threads)
+from .hooks.policy import BasePolicy
+from .planner.search import auto as _auto
 
 
-TIERS = ("gpu", "cpu", "nvme")
-
-
-def _budget(name: str, value: int | str | None) -> int | None:
-    if value is None:
-        return None
-    try:
-        return parse_bytes(value)
-    except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
-
-
-@dataclass(frozen=True)
-class Policy:
-    """Where an offloaded model's tensors live and how they move.
-
-    ``params``: the tier that holds the parameters ("gpu", "cpu" or "nvme"). ``device``: where
-    compute runs (default: cuda when present, else cpu). ``nvme_dir``: directory of the swap
-    space (needed for "nvme"), or a list of them, one per drive: units are striped over all.
-    ``gpu_budget`` / ``cpu_budget``: bytes (or "2GiB") of parameters
-    that may be resident on the compute device at once; default: what the prefetch window needs.
-    ``prefetch``: how much to have on its way ahead of compute along the recorded order, past
-    the units already resident: a number of units, or bytes given as a string ("512MiB").
-    ``io``: engine settings (an ``IOConfig`` or its dict).
-    ``optimizer``: the tier of the paged optimizer's state ("gpu", "cpu" or "nvme"; default: the
-    compute device's). ``grads``: where gradients go after each unit's backward: the compute
-    device (default), or "nvme" (with params="nvme"; consumed by the paged optimizer's step).
-    ``activations``: where tensors saved for backward are paged during forward ("cpu", "nvme",
-    or None to leave them); those under ``activation_threshold`` bytes stay put. ``adapt``:
-    the prefetch depth follows measured stalls and memory pressure (see ``stats()``).
-    ``lend_core``: with params on NVMe and compute on the CPU, compute runs on one thread fewer
-    while it is behind its reads, leaving the reads a core (``tieroffload.threads``); off by
-    default, as results then differ in the last bits from a run at a fixed thread count.
-    """
-
-    params: str = "cpu"
-    device: str | None = None
-    nvme_dir: str | tuple[str, ...] | None = None
-    gpu_budget: int | str | None = None
-    cpu_budget: int | str | None = None
-    prefetch: int | str = 2
-    io: IOConfig | dict = dataclasses.field(default_factory=IOConfig)
-    optimizer: str | None = None
-    grads: str | None = None
-    activations: str | None = None
-    activation_threshold: int | str = "1MiB"
-    adapt: bool = True
-    lend_core: bool = False
-
-    def __post_init__(self) -> None:
-        if self.params not in TIERS:
-            raise ValueError(f"params must be one of {TIERS}, not {self.params!r}")
-        if self.optimizer is None:
-            object.__setattr__(self, "optimizer",
-                               "gpu" if self.compute_device().type == "cuda" else "cpu")
-        if self.grads is None:
-            object.__setattr__(self, "grads",
-                               "gpu" if self.compute_device().type == "cuda" else "cpu")
-        if self.grads == "nvme" and self.params != "nvme":
-            raise ValueError('grads="nvme" needs params="nvme"')
-        if self.grads not in TIERS:
-            raise ValueError(f"grads must be one of {TIERS}, not {self.grads!r}")
-        if self.optimizer not in TIERS:
-            raise ValueError(f"optimizer must be one of {TIERS}, not {self.optimizer!r}")
-        if self.activations not in (None, "cpu", "nvme"):
-            raise ValueError(f'activations must be "cpu", "nvme" or None, not '
-                             f"{self.activations!r}")
-        if "nvme" in (self.params, self.optimizer, self.activations) and not self.nvme_dir:
-            raise ValueError('params, optimizer or activations on "nvme" need nvme_dir, the '
-                             "directory for the swap space")
-        set_ = object.__setattr__  # frozen: normalise once, here
-        set_(self, "gpu_budget", _budget("gpu_budget", self.gpu_budget))
-        set_(self, "cpu_budget", _budget("cpu_budget", self.cpu_budget))
-        set_(self, "activation_threshold",
-             _budget("activation_threshold", self.activation_threshold))
-        if isinstance(self.io, dict):
-            set_(self, "io", IOConfig.from_dict(self.io))
-        if isinstance(self.prefetch, str):
-            _budget("prefetch", self.prefetch)
-        elif isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
-                or self.prefetch < 0:
-            raise ValueError(f"prefetch must be a number of units >= 0 or a size such as "
-                             f"'256MiB', not {self.prefetch!r}")
-        if self.device is not None:
-            set_(self, "device", str(self.device))
-        if isinstance(self.nvme_dir, (list, tuple)):  # one directory per drive: striped
-            if not self.nvme_dir:
-                raise ValueError("nvme_dir is an empty list")
-            dirs = tuple(os.fspath(d) for d in self.nvme_dir)
-            set_(self, "nvme_dir", dirs[0] if len(dirs) == 1 else dirs)
-        elif self.nvme_dir is not None:
-            set_(self, "nvme_dir", os.fspath(self.nvme_dir))
-
-    def compute_device(self) -> torch.device:
-        if self.device is not None:
-            return torch.device(self.device)
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    @property
-    def pages_params(self) -> bool:
-        """Parameters live away from the compute device and are paged in: on NVMe, or in RAM
-        with CUDA compute."""
-        return self.params == "nvme" or (self.params == "cpu"
-                                         and self.compute_device().type == "cuda")
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values (JSON-ready); ``Policy.from_dict`` reads it back."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Policy:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown policy settings {unknown}; known: {sorted(names)}")
-        return cls(**d)
-
-    def to_json(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike) -> Policy:
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
-
-    @classmethod
-    def from_deepspeed(cls, config: dict[str, Any] | str | os.PathLike) -> Policy:
-        """A Policy from a DeepSpeed config (a dict or a JSON file): its ZeRO ``offload_param``,
-        ``offload_optimizer`` and ``aio`` sections. Keys tieroffload decides for itself and keys it
-        does not know are logged as a warning, never dropped in silence."""
-        from .deepspeed import policy_from_deepspeed
-
-        if not isinstance(config, dict):
-            with open(config) as f:
-                config = json.load(f)
-        return cls.from_dict(policy_from_deepspeed(config))
+class Policy(BasePolicy):
+    __doc__ = BasePolicy.__doc__
 
     @classmethod
     def auto(cls, model: Any, *, sample: Any, gpu_budget: int | str | None = None,
@@ -216,23 +28,8 @@ class Policy:
         unused). With ``build`` (returns a fresh copy of the model) the ``trials`` placements
         predicted fastest are measured for a step each and the fastest that fits wins. See
         ``tieroffload.planner``."""
-        from .planner import auto
+        return _auto(model, sample=sample, gpu_budget=gpu_budget, cpu_budget=cpu_budget,
+                     nvme_dir=nvme_dir, bench=bench, device=device,
+                     activation_threshold=activation_threshold, machine=machine,
+                     profile=profile, build=build, trials=trials, policy_cls=cls)
 
-        return auto(model, sample=sample, gpu_budget=gpu_budget, cpu_budget=cpu_budget,
-                    nvme_dir=nvme_dir, bench=bench, device=device,
-                    activation_threshold=activation_threshold, machine=machine,
-                    profile=profile, build=build, trials=trials)
-
-    def explain(self) -> str:
-        """What goes where and why, with the predicted step time, peak memory per tier and the
-        bottleneck (for a policy made by ``Policy.auto``)."""
-        plan = getattr(self, "plan", None)
-        if plan is None:
-            return f"{self!r} was set by hand; Policy.auto explains the policies it makes"
-        return plan.explain()
-
-    def prefetch_window(self) -> tuple[int, int | None]:
-        """(units, bytes or None) ahead to prefetch."""
-        if isinstance(self.prefetch, str):
-            return 1 << 30, parse_bytes(self.prefetch)
-        return self.prefetch, None

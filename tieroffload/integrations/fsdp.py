@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 from torch import nn
 
+from ..compat import fsdp2
+
 
 @dataclass
 class Shard:
@@ -40,8 +42,7 @@ class Shard:
         fp, data = self.fsdp_param, self.local.data
         padded = data.new_empty(0).set_(data.untyped_storage(), data.storage_offset(),
                                         fp.padded_sharded_param_size)
-        fp._sharded_param_data = padded.view(-1)
-        fp.sharded_param._local_tensor = padded.narrow(0, 0, data.shape[0])
+        fsdp2.rebind(fp, padded, padded.narrow(0, 0, data.shape[0]))
 
     def pull_grad(self) -> None:
         """Hands the reduce-scattered gradient (a DTensor) to ``local`` as a plain tensor."""
@@ -58,12 +59,10 @@ class Shard:
 
 def groups(model: nn.Module) -> Iterator[tuple[str, Any]]:
     """(module name, FSDP parameter group) of ``model``'s sharded modules, in module order."""
-    from torch.distributed.fsdp import FSDPModule
-
     seen: set[int] = set()
     for name, m in model.named_modules():
-        if isinstance(m, FSDPModule):
-            g = m._get_fsdp_state()._fsdp_param_group
+        if fsdp2.is_fsdp_module(m):
+            g = fsdp2.param_group(m)
             if g is not None and id(g) not in seen:
                 seen.add(id(g))
                 yield name, g
@@ -72,17 +71,15 @@ def groups(model: nn.Module) -> Iterator[tuple[str, Any]]:
 def lazy_init(model: nn.Module) -> None:
     """Runs FSDP's lazy initialisation now, as its first forward would (idempotent): it
     re-pads the shards, which must happen before tieroffload moves them."""
-    from torch.distributed.fsdp import FSDPModule
-
     def roots(m: nn.Module) -> Iterator[nn.Module]:
-        if isinstance(m, FSDPModule):
+        if fsdp2.is_fsdp_module(m):
             yield m
             return
         for c in m.children():
             yield from roots(c)
 
     for m in roots(model):
-        m._get_fsdp_state()._lazy_init()
+        fsdp2.lazy_init(m)
 
 
 def shards(group: Any, names: dict[int, str]) -> list[Shard]:
@@ -90,15 +87,15 @@ def shards(group: Any, names: dict[int, str]) -> list[Shard]:
     out = []
     for fp in group.fsdp_params:
         dt = fp.sharded_param
-        where = names.get(id(dt), getattr(fp, "_param_fqn", "?"))
+        where = names.get(id(dt), fsdp2.param_name(fp))
         if dt.device.type == "meta":
             raise ValueError(f"tieroffload cannot offload FSDP parameter {where!r}: it is on the "
                              "meta device; initialise it (to_empty and init) first")
         if fp.fsdp_placement.dim != 0 or fp.offload_to_cpu:
             raise TypeError(f"tieroffload cannot offload FSDP parameter {where!r}: it pages "
                             "shards on dimension 0 without FSDP's own CPUOffloadPolicy")
-        local = nn.Parameter(dt._local_tensor.detach(), requires_grad=dt.requires_grad)
-        padded = fp._sharded_param_data
+        local = nn.Parameter(fsdp2.local_tensor(dt).detach(), requires_grad=dt.requires_grad)
+        padded = fsdp2.padded_shard(fp)
         out.append(Shard(fp, where, local, padded.numel() * padded.element_size()))
     return out
 
@@ -110,7 +107,7 @@ def hook(group: Any, acquire: Callable[[], None], release: Callable[[], None]) -
     unshard, wait = group.unshard, group.wait_for_unshard
 
     def unshard_resident(async_op: bool = False) -> None:
-        if not held[0] and group._all_gather_result is None and not group.is_unsharded:
+        if not held[0] and not fsdp2.gather_pending(group) and not group.is_unsharded:
             acquire()
             held[0] = True
         unshard(async_op)

@@ -25,9 +25,11 @@ from typing import Any, Callable
 
 import torch
 
-from . import aio
-from .swap import SwapSpace
-from .tiers import Mover, Stats, Ticket, timed_wait
+from .. import aio
+from ..aio.swap import SwapSpace
+from ..compat.tensors import storage_key, version
+from ..core.mover import Mover, Ticket, timed_wait
+from ..core.stats import Stats
 
 log = logging.getLogger("tieroffload")
 
@@ -127,7 +129,7 @@ class ActivationPager:
         """Starts a forward: saved tensors from here on go through ``pack``."""
         with self._lock:
             self._order = [r for r in self._order if r() is not None]
-            self._param_ids = {p.untyped_storage()._cdata for p in self.params()}
+            self._param_ids = {storage_key(p.untyped_storage()) for p in self.params()}
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._ctx.__enter__()
 
@@ -143,7 +145,7 @@ class ActivationPager:
             self.stats.kept += 1
             return t
         storage = t.untyped_storage()
-        key = (storage.data_ptr(), t._version)
+        key = (storage.data_ptr(), version(t))
         with self._lock:
             ref = self._by_storage.get(key)
             record = ref() if ref is not None else None
@@ -188,7 +190,7 @@ class ActivationPager:
         if t.layout is not torch.strided or t.is_quantized or t.device.type != self.device.type:
             return False
         storage = t.untyped_storage()
-        return storage.nbytes() >= self.threshold and storage._cdata not in self._param_ids
+        return storage.nbytes() >= self.threshold and storage_key(storage) not in self._param_ids
 
     def _padded(self, n: int) -> int:
         align = self.swap.align if self.swap is not None else 4096

@@ -13,11 +13,11 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
-from . import memory
-from .offload import drop_stored_grads
-from .sizes import format_bytes, parse_bytes
+from ..compat.pytree import tree_flatten, tree_map
+from ..hooks.steps import drop_stored_grads
+from ..utils import memory
+from ..utils.sizes import format_bytes, parse_bytes
 
 log = logging.getLogger("tieroffload")
 

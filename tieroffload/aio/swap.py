@@ -8,8 +8,12 @@ import fcntl
 import hashlib
 import os
 
-from . import aio
-from .sizes import format_bytes
+from ..utils.dist import rank
+from ..utils.paths import directories
+from ..utils.sizes import format_bytes
+from .engine import Engine
+from .files import StripedFile
+from .files import open as aio_open
 
 
 def free_bytes(directory: str) -> int:
@@ -25,15 +29,6 @@ def check_directory(directory: str, what: str = "nvme_dir") -> str:
     if not os.access(path, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, f"{what} is not writable", path)
     return path
-
-
-def rank() -> int:
-    """This process's rank under torch.distributed (0 when not distributed)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
 
 
 def stable_tag(names: list[str]) -> str:
@@ -52,10 +47,8 @@ class SwapSpace:
     (one per drive), one file in each, striped: large units spread over all of them."""
 
     def __init__(self, directory: str | os.PathLike | list | tuple, nbytes: int, tag: str,
-                 engine: aio.Engine | None = None, what: str = "nvme_dir") -> None:
-        dirs = [directory] if isinstance(directory, (str, os.PathLike)) else list(directory)
-        if not dirs:
-            raise ValueError(f"{what} is an empty list")
+                 engine: Engine | None = None, what: str = "nvme_dir") -> None:
+        dirs = directories(directory, what)
         self.directories = [check_directory(d, what) for d in dirs]
         self.directory = self.directories[0]
         share = -(-nbytes // len(dirs)) + (STRIPE if len(dirs) > 1 else 0)
@@ -72,10 +65,10 @@ class SwapSpace:
                 fd, path, folder = self._claim(d, tag)
                 self._claims.append((fd, path, folder))
                 os.ftruncate(fd, 0)
-                files.append(aio.open(path, "r+", engine=engine))
+                files.append(aio_open(path, "r+", engine=engine))
             self.path = self._claims[0][1]
             self.paths = [c[1] for c in self._claims]
-            self.file = files[0] if len(files) == 1 else aio.StripedFile(files, STRIPE)
+            self.file = files[0] if len(files) == 1 else StripedFile(files, STRIPE)
             self.align = max(4096, self.file.align)
             self.capacity = self._round(nbytes)
             if self.capacity:

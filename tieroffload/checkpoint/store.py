@@ -19,7 +19,8 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
-from .optimizer import PagedOptimizer
+from ..optim.paged import PagedOptimizer
+from ..utils.dist import distributed
 
 FORMAT = "tieroffload-checkpoint"
 VERSION = 1
@@ -58,15 +59,6 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _distributed() -> Any:
-    """torch.distributed when several ranks run, else None."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist
-    return None
-
-
 def save_checkpoint(path: str | os.PathLike, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, extra: Any = None) -> None:
     """Saves parameters, buffers, optimizer state and ``extra`` (e.g. the scheduler's
@@ -78,7 +70,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"checkpoint directory's parent does not exist: {parent}")
-    dist = _distributed()
+    dist = distributed()
     rank = dist.get_rank() if dist else 0
     token = [f"{path}.tmp-{os.getpid()}"]
     if dist:
@@ -230,7 +222,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     path = os.path.abspath(os.fspath(path))
     meta = _read_manifest(path)
     if "ranks" in meta:  # saved by several ranks: this rank reads its own part
-        dist = _distributed()
+        dist = distributed()
         world = dist.get_world_size() if dist else 1
         if world != meta["world_size"]:
             raise CheckpointError(f"checkpoint {path} was saved by {meta['world_size']} ranks; "

@@ -19,9 +19,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .offload import OffloadState, _state, _world_size
-from .swap import SwapSpace, stable_tag
-from .tiers import Mover, NvmeHome, PagePool, State, Ticket, Unit, timed_wait
+from ..aio.pages import PagePool
+from ..aio.swap import SwapSpace, stable_tag
+from ..core.homes import NvmeHome
+from ..core.mover import NBUF, Mover, Ticket, timed_wait
+from ..core.units import State, Unit
+from ..hooks.state import OffloadState, _state
+from ..utils.dist import world_size
+from .loss_scale import LossScale
 
 CHUNK_BYTES = 16 << 20  # parameters per chunk, at least one unit
 
@@ -51,33 +56,6 @@ class _Chunk:
     def inner_param(self, i: int) -> nn.Parameter:
         """What the inner optimizer steps: the master copy, or the parameter itself."""
         return self.masters.get(i, self.params[i])
-
-
-class LossScale:
-    """Dynamic loss scaling for fp16: halves the scale and skips the step when a gradient
-    overflows, doubles it after ``interval`` good steps."""
-
-    def __init__(self, scale: float = 2.0**16, interval: int = 2000, dynamic: bool = True):
-        self.scale, self.interval, self.dynamic = scale, interval, dynamic
-        self.good = 0
-        self.skipped = 0
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.skipped += 1
-            self.good = 0
-            if self.dynamic:
-                self.scale /= 2
-        else:
-            self.good += 1
-            if self.dynamic and self.good % self.interval == 0:
-                self.scale *= 2
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        self.__dict__.update(d)
 
 
 class PagedOptimizer(torch.optim.Optimizer):
@@ -115,7 +93,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             engine = self.offload.engine
             if self.mover is None:  # the parameters are not offloaded: move state on our own
                 engine = policy.io.engine()
-                self.mover = Mover(self.offload.device, CHUNK_BYTES, 4, self.offload.stats)
+                self.mover = Mover(self.offload.device, CHUNK_BYTES, NBUF, self.offload.stats)
                 self._owned += [engine, self.mover]
             self.swap = self.offload.swap
             if self.swap is None:
@@ -130,7 +108,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         if overlap not in (True, False, "backward"):
             raise ValueError(f'overlap must be True, False or "backward", not {overlap!r}')
         if overlap == "backward" and (self.scaler is not None or self.offload.shards
-                                      or _world_size() > 1):
+                                      or world_size() > 1):
             raise ValueError(
                 'overlap="backward" steps each chunk as soon as its gradients are final, so it '
                 "cannot wait for a check of every gradient (fp16 loss scaling) or for other "

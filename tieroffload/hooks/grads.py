@@ -12,8 +12,12 @@ import collections
 
 import torch
 
-from .swap import SwapSpace
-from .tiers import Mover, NvmeHome, PagePool, Stats, Ticket, Unit, timed_wait
+from ..aio.pages import PagePool
+from ..aio.swap import SwapSpace
+from ..core.homes import NvmeHome
+from ..core.mover import Mover, Ticket, timed_wait
+from ..core.stats import Stats
+from ..core.units import Unit
 
 
 class GradPager:

@@ -21,8 +21,11 @@ import bisect
 import collections
 import logging
 
-from .sizes import format_bytes
-from .tiers import Mover, PagePool, State, Stats, Unit, timed_wait
+from ..aio.pages import PagePool
+from ..utils.sizes import format_bytes
+from .mover import Mover, timed_wait
+from .stats import Stats
+from .units import State, Unit
 
 log = logging.getLogger("tieroffload")
 

@@ -1,0 +1,13 @@
+"""``tieroffload-bench nvme``: how fast is the disk, how fast is tieroffload on it, what to set.
+
+``run_nvme`` returns the dict that ``--json`` writes; its ``recommended`` block is what
+``IOConfig.from_dict`` / ``IOConfig.from_json`` load. Needs the ``bench`` extra
+(``pip install tieroffload[bench]``: tqdm, aiofiles, matplotlib for ``--plot``).
+"""
+
+from .common import BenchError
+from .main import main
+from .nvme import run_nvme
+from .report import format_table, plot
+
+__all__ = ["BenchError", "format_table", "main", "plot", "run_nvme"]

@@ -1,0 +1,192 @@
+"""The worker that moves units between their homes and the compute device, and the tickets
+that say when a move is done (re-raising what the worker met)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..aio.buffers import aligned_empty
+from ..aio.engine import Future
+from .stats import Stats
+from .units import Unit
+
+STAGING_CHUNK = 16 << 20  # staging chunk: NVMe sees I/Os this large
+NBUF = 4  # staging buffers: the fixed overhead is STAGING_CHUNK * NBUF
+
+
+class Ticket:
+    """Completion of one move: ``wait()`` re-raises what the worker met; on CUDA the current
+    stream is made to wait for the copies, so compute waits only for what it needs."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        self.cuda_event: torch.cuda.Event | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        if self.cuda_event is not None:
+            torch.cuda.current_stream().wait_event(self.cuda_event)
+
+
+class IOTicket(Ticket):
+    """A move that is one async read or write straight into the unit's buffer: nothing to do
+    but wait for the engine, so many of them can be in flight at once."""
+
+    def __init__(self, future: Future) -> None:
+        super().__init__()
+        self.future = future
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self) -> None:
+        self.future.result()
+
+
+class Mover:
+    """One worker thread that runs loads and stores in order, with ``nbuf`` staging buffers of
+    ``chunk`` bytes (pinned on CUDA): the fixed memory overhead of NVMe offload."""
+
+    def __init__(self, device: torch.device, chunk: int, nbuf: int, stats: Stats,
+                 delay: Callable[[], None] | None = None) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.chunk = chunk
+        self.nbuf = nbuf
+        self.stats = stats
+        self.delay = delay  # tests inject I/O delays here
+        self._staging: list[torch.Tensor] = []
+        self._staging_events: list[torch.cuda.Event | None] = []
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="tieroffload-mover", daemon=True)
+        self._thread.start()
+
+    @property
+    def overhead(self) -> int:
+        """Bytes of staging memory this mover holds at most."""
+        return self.chunk * self.nbuf
+
+    def staging_for(self, k: int) -> torch.Tensor:
+        slot = k % self.nbuf
+        while len(self._staging) <= slot:
+            self._staging.append(aligned_empty(self.chunk, pin=self.cuda))
+            self._staging_events.append(None)
+        ev = self._staging_events[slot]
+        if ev is not None:  # the copy that last read this buffer must be done before reuse
+            ev.synchronize()
+            self._staging_events[slot] = None
+        return self._staging[slot]
+
+    def scatter(self, unit: Unit, buf: torch.Tensor, a: int, b: int) -> None:
+        """Copies unit bytes [a, b) from a staging buffer into the parameters."""
+        for seg in unit.segments:
+            lo, hi = max(a, seg.start), min(b, seg.end)
+            if lo < hi:
+                seg.view()[lo - seg.start:hi - seg.start].copy_(buf[lo - a:hi - a],
+                                                                non_blocking=self.cuda)
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            self._staging_events[self._staging.index(buf)] = ev
+
+    def gather(self, unit: Unit, buf: torch.Tensor, a: int, b: int) -> None:
+        """Copies unit bytes [a, b) from the parameters into a staging buffer."""
+        for seg in unit.segments:
+            lo, hi = max(a, seg.start), min(b, seg.end)
+            if lo < hi:
+                buf[lo - a:hi - a].copy_(seg.view()[lo - seg.start:hi - seg.start],
+                                         non_blocking=self.cuda)
+        self.sync_device()
+
+    def sync_device(self) -> None:
+        if self.cuda:
+            self.stream.synchronize()
+
+    def submit(self, fn: Callable[[], None]) -> Ticket:
+        ticket = Ticket()
+        if self.cuda:
+            # The copies must not start before compute is done with the memory they overwrite.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        else:
+            ready = None
+        self._jobs.put((fn, ticket, ready))
+        return ticket
+
+    def load(self, unit: Unit) -> Ticket:
+        """Brings the unit's bytes from its home (the storage must be allocated)."""
+        return self._move(unit, write=False)
+
+    def store(self, unit: Unit) -> Ticket:
+        """Writes the unit's bytes to its home."""
+        return self._move(unit, write=True)
+
+    def move_now(self, unit: Unit, write: bool) -> None:
+        """The move itself, on the calling thread (the worker's, for jobs that do more)."""
+        (unit.home.store if write else unit.home.load)(unit, self)
+        self._count(unit, write)
+
+    def _count(self, unit: Unit, write: bool) -> None:
+        (self.stats.bytes_written if write else self.stats.bytes_read)[unit.home.tier] += \
+            unit.nbytes
+
+    def _move(self, unit: Unit, write: bool) -> Ticket:
+        home = unit.home
+        if unit.flat is None or home.tier != "nvme" or self.delay is not None:
+            return self.submit(lambda: self.move_now(unit, write))
+        # A unit with its own aligned buffer moves by one async request, issued now, so many
+        # can be in flight (tests that inject delays go through the worker instead).
+        self._count(unit, write)
+        io = home.swap.file.pwrite if write else home.swap.file.pread
+        return IOTicket(io(unit.flat, home.offset))
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            fn, ticket, ready = item
+            try:
+                if self.delay is not None:
+                    self.delay()
+                if self.cuda:
+                    with torch.cuda.stream(self.stream):
+                        self.stream.wait_event(ready)
+                        fn()
+                        ticket.cuda_event = torch.cuda.Event()
+                        ticket.cuda_event.record(self.stream)
+                else:
+                    fn()
+            except BaseException as e:  # handed to whoever waits on the ticket
+                ticket.finish(e)
+            else:
+                ticket.finish()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+        self._staging.clear()
+
+
+def timed_wait(ticket: Ticket, stats: Any) -> None:
+    """Waits on ``ticket``, adding the time to ``stats.wait_s``."""
+    t0 = time.perf_counter()
+    ticket.wait()
+    stats.wait_s += time.perf_counter() - t0

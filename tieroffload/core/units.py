@@ -1,0 +1,141 @@
+"""Where a unit's bytes live (RAM, pinned when a GPU is present, or an NVMe extent) and the
+worker that moves them to and from the parameters' storage on the compute device.
+
+A unit is the set of parameters one module owns, stored contiguously in its home so that NVMe
+sees one large I/O. On the compute device each parameter keeps its own storage, which is freed
+with ``untyped_storage().resize_(0)`` and refilled in place: tensors that autograd saved (views of
+a weight) stay valid across a release and a refetch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from ..aio.buffers import aligned_empty
+from ..aio.pages import PAGE, PagePool, discard, renew
+
+if TYPE_CHECKING:
+    from .homes import Home
+    from .mover import Ticket
+
+
+class State(enum.Enum):
+    AWAY = "away"          # only in its home
+    FETCHING = "fetching"  # storage allocated, bytes on their way
+    RESIDENT = "resident"
+    WRITING = "writing"    # evicted, its bytes on their way home; freed once written
+
+
+@dataclass
+class Segment:
+    """One parameter inside a unit: bytes [start, end) of the unit, and its resident bytes.
+    The storage may hold more than the parameter's elements (an FSDP shard's padding): the
+    segment covers the storage from the parameter's first byte."""
+
+    param: torch.nn.Parameter
+    start: int
+    end: int
+
+    def view(self) -> torch.Tensor:
+        p = self.param.data
+        flat = p.view(-1).view(torch.uint8)
+        if flat.numel() == self.end - self.start:
+            return flat
+        return flat.new_empty(0).set_(p.untyped_storage(), p.storage_offset() * p.element_size(),
+                                      (self.end - self.start,))
+
+
+class Unit:
+    """The parameters that one module owns, moved and accounted together."""
+
+    def __init__(self, uid: int, name: str, params: list[tuple[str, torch.nn.Parameter]],
+                 sizes: list[int] | None = None,
+                 on_rebind: Callable[[], None] | None = None) -> None:
+        """``sizes``: bytes each parameter's storage holds, where that is more than its
+        elements (FSDP's padded shards). ``on_rebind``: called after the parameters were moved
+        into new storage, for tensors that must follow them (FSDP's own views of its shards)."""
+        self.id = uid
+        self.name = name
+        self.names = [n for n, _ in params]
+        self.on_rebind = on_rebind
+        self.segments: list[Segment] = []
+        pos = 0
+        for i, (_, p) in enumerate(params):
+            n = sizes[i] if sizes is not None else p.numel() * p.element_size()
+            self.segments.append(Segment(p, pos, pos + n))
+            pos = -(-(pos + n) // 64) * 64  # every parameter starts 64-byte aligned
+        self.nbytes = self.segments[-1].end if self.segments else 0
+        self.flat: torch.Tensor | None = None  # see adopt_flat
+        self._pieces: list[int] = []  # mappings of flat's pages placed from a pool, in order
+        self.home: Home | None = None
+        self.state = State.RESIDENT
+        self.ticket: Ticket | None = None
+        self.pins = 0
+        self.dirty = False
+        self.initialized = True  # False for a model built on the meta device, until loaded
+        self.last_use = 0
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [s.param for s in self.segments]
+
+    @property
+    def reading(self) -> bool:
+        """Its read has started and not yet arrived."""
+        return self.state is State.FETCHING and self.ticket is not None and not self.ticket.done()
+
+    def adopt_flat(self, align: int) -> None:
+        """CPU compute with an NVMe home: the parameters become views of one page-aligned
+        buffer, which O_DIRECT fills and drains with no staging copy, and which is released
+        with madvise (its address, and every view autograd saved, stay valid)."""
+        padded = -(-max(self.nbytes, 1) // max(align, PAGE)) * max(align, PAGE)
+        self.flat = aligned_empty(padded, pin=False)
+        for s in self.segments:
+            p = s.param
+            n = p.numel() * p.element_size()
+            dst = self.flat[s.start:s.start + n]
+            if p.untyped_storage().nbytes() >= n:
+                dst.copy_(p.data.reshape(-1).view(torch.uint8))
+            p.data = dst.view(p.dtype).view(p.shape)
+
+    def allocate(self, pool: PagePool | None = None) -> None:
+        """Gives the parameters storage again. With a ``pool`` (only where every byte will be
+        overwritten: it holds another unit's old values) a flat unit takes parked pages; else
+        its pages come back, as zeros, as they are written."""
+        if self.flat is not None:
+            addr, total = self.flat.data_ptr(), self.flat.numel()
+            if pool is not None and pool.ranges:
+                self._pieces = pool.fill(addr, total)
+            placed = sum(self._pieces)
+            if placed < total:
+                # Pieces placed and parked before split the rest into several mappings, which
+                # the kernel would not park as one (a unit then faulted in most of its pages).
+                renew(addr + placed, total - placed)
+            return
+        for s in self.segments:
+            s.param.untyped_storage().resize_(s.end - s.start)
+
+    def free(self, pool: PagePool | None = None) -> None:
+        """Returns the storage; a flat unit's pages go to ``pool`` where it takes them."""
+        if self.flat is not None:
+            addr, total = self.flat.data_ptr(), self.flat.numel()
+            placed = sum(self._pieces)
+            pieces = self._pieces + ([total - placed] if placed < total else [])
+            self._pieces = []
+            for n in pieces:
+                kept = pool.park(addr, n) if pool is not None else 0
+                if kept < n:
+                    discard(addr + kept, n - kept)
+                addr += n
+            return
+        for s in self.segments:
+            s.param.untyped_storage().resize_(0)
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, {self.nbytes} bytes, {self.state.value})"
+
+

@@ -1,0 +1,146 @@
+"""Building an offloaded model's units: one per module that owns parameters (or per FSDP
+parameter group), parameters brought off the meta device, the resident budget checked."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.units import Unit
+from ..integrations import fsdp
+from ..utils.sizes import format_bytes
+
+log = logging.getLogger("tieroffload")
+
+
+def check_param(module_name: str, name: str, p: nn.Parameter) -> None:
+    nbytes = p.numel() * p.element_size()
+    where = f"{module_name + '.' if module_name else ''}{name}"
+    if type(p) is not nn.Parameter:
+        raise TypeError(f"tieroffload cannot offload parameter {where!r} ({nbytes} bytes): its "
+                        f"type {type(p).__name__} is a tensor subclass, not nn.Parameter")
+    if p.layout is not torch.strided or p.is_quantized:
+        raise TypeError(f"tieroffload cannot offload parameter {where!r} ({nbytes} bytes): "
+                        f"layout {p.layout}{', quantized' if p.is_quantized else ''} is not a "
+                        "dense strided tensor")
+    if p.device.type not in ("cpu", "cuda", "meta"):
+        raise TypeError(f"tieroffload cannot offload parameter {where!r} ({nbytes} bytes) on "
+                        f"device {p.device}")
+
+
+
+class UnitBuilder:
+    """The part of ``OffloadState`` that turns a model into units and checks the budget."""
+
+    def _fsdp_groups(self, model: nn.Module) -> list[tuple[str, Any]]:
+        """FSDP2's parameter groups, initialised as its first forward would; their DTensor
+        parameters are paged as local shards, not as parameters of their modules."""
+        groups = list(fsdp.groups(model))
+        if not groups:
+            return []
+        policy = self.policy
+        if policy.grads == "nvme" or policy.activations is not None:
+            raise NotImplementedError(
+                "with FSDP2 (fully_shard) tieroffload pages parameter shards and optimizer "
+                f"state; grads={policy.grads!r} and activations={policy.activations!r} are not "
+                'supported: keep gradients on the compute device and activations=None')
+        fsdp.lazy_init(model)
+        self._fsdp_ids = {id(fp.sharded_param) for _, g in groups for fp in g.fsdp_params}
+        return groups
+
+    def _build_fsdp_units(self, model: nn.Module,
+                          groups: list[tuple[str, Any]]) -> list[tuple[Any, Unit]]:
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        out = []
+        for mname, g in groups:
+            shards = fsdp.shards(g, names)
+            unit = Unit(len(self.units), f"{mname or '<root>'} (FSDP shards)",
+                        [(s.name, s.local) for s in shards], sizes=[s.nbytes for s in shards],
+                        on_rebind=lambda shards=shards: [s.rebind() for s in shards])
+            self.units.append(unit)
+            self.shards += shards
+            out.append((g, unit))
+        return out
+
+    def _materialize_meta(self, model: nn.Module) -> set[int]:
+        """Parameters built on the meta device get real ones on the compute device, with no
+        memory yet (storage of size 0); ties are kept. Returns their ids: not loaded yet."""
+        new: dict[int, nn.Parameter] = {}
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is None or p.device.type != "meta" or id(p) in self._fsdp_ids:
+                    continue
+                if id(p) not in new:
+                    t = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                    t.untyped_storage().resize_(0)
+                    new[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+                module._parameters[name] = new[id(p)]
+        return {id(p) for p in new.values()}
+
+    def _build_units(self, model: nn.Module) -> tuple[list[Unit], dict[nn.Module, list[Unit]]]:
+        units: list[Unit] = []
+        module_units: dict[nn.Module, list[Unit]] = {}
+        owner: dict[int, Unit] = {}
+        for mname, module in model.named_modules(remove_duplicate=False):
+            own: list[tuple[str, nn.Parameter]] = []
+            used: list[Unit] = []
+            for pname, p in module._parameters.items():
+                if p is None or id(p) in self._fsdp_ids:
+                    continue
+                if id(p) in owner:
+                    if owner[id(p)] not in used:
+                        used.append(owner[id(p)])
+                    continue
+                check_param(mname, pname, p)
+                own.append((f"{mname + '.' if mname else ''}{pname}", p))
+            if own:
+                unit = Unit(len(units), mname or "<root>", own)
+                units.append(unit)
+                for _, p in own:
+                    owner[id(p)] = unit
+                used.insert(0, unit)
+            if used:
+                module_units.setdefault(module, [])
+                module_units[module] += [u for u in used if u not in module_units[module]]
+        return units, module_units
+
+    def _add_descendants(self, model: nn.Module) -> None:
+        """A module that owns parameters may use its children's parameters without calling them
+        (nn.MultiheadAttention reads out_proj.weight): it also acquires their units, where they
+        fit the budget together."""
+        for module, units in self.module_units.items():
+            if not module._parameters:
+                continue
+            extra = [u for m in module.modules() if m is not module
+                     for u in self.module_units.get(m, []) if u not in units]
+            extra = list(dict.fromkeys(extra))
+            if sum(u.nbytes for u in units + extra) <= self.budget:
+                units += extra
+
+    def _resident_sets(self) -> list[list[Unit]]:
+        """The sets of units that must be resident at once: a module's, or an FSDP group's."""
+        return list(self.module_units.values()) + [[u] for _, u in self.fsdp_units]
+
+    def _check_budget(self, largest: Unit | None) -> int:
+        p = self.policy
+        budget = p.gpu_budget if self.device.type == "cuda" else p.cpu_budget
+        if largest is None:
+            return budget or 0
+        if budget is None:
+            units, nbytes = p.prefetch_window()
+            window = nbytes if nbytes is not None else min(units, len(self.units)) * largest.nbytes
+            needs = (sum(u.nbytes for u in us) for us in self._resident_sets())
+            budget = window + 2 * max(needs)
+        name = "gpu_budget" if self.device.type == "cuda" else "cpu_budget"
+        for us in self._resident_sets():
+            need = sum(u.nbytes for u in us)
+            if need > budget:
+                mname = ", ".join(u.name for u in us)
+                raise ValueError(
+                    f"{name}={budget} bytes ({format_bytes(budget)}) is smaller than module "
+                    f"{mname!r}, which needs {need} bytes ({format_bytes(need)}) resident at once")
+        return budget
+

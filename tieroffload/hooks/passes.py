@@ -1,0 +1,170 @@
+"""Forward and backward hooks: units acquired before a module runs and released after it,
+gradients handed on as each unit's backward ends, pins held from forward to backward."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..compat import fsdp2
+from ..compat.autograd import at_backward_end, in_backward
+from ..compat.pytree import tree_flatten
+from ..core.units import Unit
+from ..integrations import fsdp
+
+
+def _grad_tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+class PassHooks:
+    """The part of ``OffloadState`` that follows forward and backward passes."""
+
+    def _install_hooks(self, model: nn.Module) -> None:
+        h = self._handles
+        h.append(model.register_forward_pre_hook(self._begin_iteration, prepend=True))
+        h.append(model.register_forward_hook(self._end_forward))
+        for module, units in self.module_units.items():
+            h.append(module.register_forward_pre_hook(self._pre_forward(units)))
+            h.append(module.register_forward_hook(self._post_forward(units)))
+            h.append(module.register_state_dict_post_hook(self._state_dict_post()))
+            h.append(module.register_load_state_dict_pre_hook(self._load_pre(units)))
+            h.append(module.register_load_state_dict_post_hook(self._load_post(units)))
+        fsdp_units = {u.id for _, u in self.fsdp_units}
+        for u in self.units:
+            for p in u.params:
+                if p.requires_grad and u.id not in fsdp_units:
+                    h.append(p.register_post_accumulate_grad_hook(self._grad_done(u)))
+        for group, u in self.fsdp_units:
+            self._undo.append(fsdp.hook(group, lambda u=u: self._acquire([u]),
+                                        lambda u=u: self.scheduler.release([u])))
+        owners = {fsdp2.owner(fp) for g, _ in self.fsdp_units for fp in g.fsdp_params}
+        for module in owners:  # the modules that hold the DTensors: their state dicts
+            units = list(dict.fromkeys(self.param_unit[id(p)] for p in module._parameters.values()
+                                       if p is not None and id(p) in self.param_unit))
+            h.append(module.register_state_dict_post_hook(self._state_dict_post()))
+            h.append(module.register_load_state_dict_pre_hook(self._load_pre(units)))
+            h.append(module.register_load_state_dict_post_hook(self._load_post(units)))
+
+    def _begin_iteration(self, module: nn.Module, args: Any) -> None:
+        if not in_backward():  # not a recomputation inside backward
+            if self._bwd_callback_queued:  # the last backward raised: its end never ran
+                self._bwd_callback_queued = False
+                self._grads_seen.clear()
+                self._deferred.clear()
+                self._release_bwd_pins()
+            if torch.is_grad_enabled():
+                self._fresh_forward = True
+                for opt in list(self.optimizers):
+                    opt.forward_begins()
+            self.cores.give_back()  # a forward that raised kept it
+        self.scheduler.begin_iteration()
+
+    def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.cores.give_back()  # the code between passes is the user's
+        self.settle()  # units the forward did not use: their updates precede backward
+
+    def _pre_forward(self, units: list[Unit]) -> Callable:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._acquire(units)
+        return hook
+
+    def _acquire(self, units: list[Unit]) -> None:
+        """Brings ``units`` in for compute, after any deferred optimizer update of theirs."""
+        self.settle(units)
+        self.scheduler.acquire(units)
+        self._lend_core()
+
+    def _lend_core(self) -> None:
+        """Compute on one thread fewer while it is behind its reads (see ``threads``)."""
+        if not self.cores.enabled:
+            return
+        self.cores.lend(self.scheduler.waited, self.scheduler.behind())
+        self.stats.lent += self.cores.lent
+
+    def settle(self, units: list[Unit] | None = None) -> None:
+        """Applies the paged optimizers' deferred updates of ``units`` (all: None)."""
+        for opt in list(self.optimizers):
+            opt.settle(units)
+
+    def _post_forward(self, units: list[Unit]) -> Callable:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.scheduler.release(units)
+            if not torch.is_grad_enabled():
+                return
+            outs, ins = _grad_tensors(output), _grad_tensors(args)
+            if outs:
+                # Grads reaching the outputs: this module's backward is about to run.
+                torch.autograd.graph.register_multi_grad_hook(
+                    outs, lambda grads: self._pre_backward(units), mode="any")
+            if outs and ins:
+                # Grads reaching the inputs: its backward is done, its units may go.
+                torch.autograd.graph.register_multi_grad_hook(
+                    ins, lambda grads: self._post_backward(units), mode="all")
+        return hook
+
+    def _pre_backward(self, units: list[Unit]) -> None:
+        if not self._bwd_callback_queued:
+            self._bwd_callback_queued = True
+            at_backward_end(self._end_backward)
+        if self._fresh_forward:  # the backward of a forward, not one nested in it (reentrant
+            self._fresh_forward = False  # checkpointing): a micro-batch for the optimizers
+            for opt in list(self.optimizers):
+                opt.backward_begins()
+        self.scheduler.acquire(units)
+        self._lend_core()
+        for u in units:
+            self._bwd_pins[u.id] = self._bwd_pins.get(u.id, 0) + 1
+
+    def _post_backward(self, units: list[Unit]) -> None:
+        for u in units:
+            if self._bwd_pins.get(u.id, 0) > 0:
+                self._bwd_pins[u.id] -= 1
+                self.scheduler.release([u])
+
+    def _grad_done(self, u: Unit) -> Callable:
+        wanted = sum(p.requires_grad for p in u.params)
+
+        def hook(p: torch.Tensor) -> None:
+            seen = self._grads_seen.get(u.id, 0) + 1
+            self._grads_seen[u.id] = seen
+            if seen >= wanted:
+                self._grads_seen[u.id] = 0
+                self._grads_ready(u)
+        return hook
+
+    def _grads_ready(self, u: Unit) -> None:
+        self.scheduler.release([u] * self._bwd_pins.pop(u.id, 0))
+        taken = False
+        for opt in list(self.optimizers):  # overlap="backward" steps here, before paging
+            taken = opt.grads_ready(u) or taken
+        if self.grads is not None and not taken:
+            if self._defer_grads:
+                self._deferred.append(u)
+            else:
+                self.grads.page_out(u)
+
+    def _end_backward(self) -> None:
+        self._bwd_callback_queued = False
+        self.cores.give_back()
+        for uid, seen in self._grads_seen.items():
+            if seen:  # some parameters of the unit got no gradient this time
+                self._grads_ready(self.units[uid])
+        self._grads_seen.clear()
+        self._release_bwd_pins()
+        if self._deferred:
+            # Queued from a callback, this runs after every callback queued during backward,
+            # DDP's (which writes the reduced gradients) included.
+            at_backward_end(self._page_deferred)
+
+    def _release_bwd_pins(self) -> None:
+        for uid, n in self._bwd_pins.items():
+            self.scheduler.release([self.units[uid]] * n)
+        self._bwd_pins.clear()
+
+    def _page_deferred(self) -> None:
+        units, self._deferred = self._deferred, []
+        for u in units:
+            self.grads.page_out(u)
+

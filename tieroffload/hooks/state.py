@@ -1,0 +1,294 @@
+"""``offload(model, policy)``: parameters live in a lower tier and are brought to the compute
+device just ahead of the module that needs them, by forward and backward hooks.
+
+Per-model state lives in one ``OffloadState`` (``model._tieroffload``). The model is changed in
+place and keeps its ``nn.Parameter`` objects, so optimizers built before or after see the same
+parameters.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import weakref
+from collections.abc import Iterator
+from typing import Any, Callable
+
+from torch import nn
+
+from ..aio.swap import SwapSpace, stable_tag
+from ..core.homes import NvmeHome, RamHome
+from ..core.mover import NBUF, STAGING_CHUNK, Mover
+from ..core.scheduler import Scheduler
+from ..core.stats import Stats
+from ..core.threads import CoreLender
+from ..core.units import State, Unit
+from ..integrations import fsdp
+from ..utils import memory
+from ..utils.dist import world_size
+from ..utils.sizes import format_bytes
+from .activations import ActivationPager
+from .build import UnitBuilder
+from .grads import GradPager
+from .passes import PassHooks
+from .policy import BasePolicy
+from .state_dict import StateDictHooks
+from .steps import StepHooks, live
+
+log = logging.getLogger("tieroffload")
+
+
+class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks):
+    """Everything tieroffload keeps for one wrapped model."""
+
+    def __init__(self, model: nn.Module, policy: BasePolicy,
+                 io_delay: Callable[[], None] | None = None) -> None:
+        self.policy = policy
+        self.device = policy.compute_device()
+        self.stats = Stats()
+        self.cores = CoreLender(policy.lend_core and policy.params == "nvme"
+                                and self.device.type == "cpu")
+        self._handles: list[Any] = []
+        self._bwd_pins: dict[int, int] = {}
+        self._bwd_callback_queued = False
+        self._fresh_forward = False  # a forward ran since the last backward began
+        self._opt_pins: dict[int, tuple[list[Unit], bool]] = {}  # optimizer -> units, grads
+        self._grads_seen: dict[int, int] = {}
+        self._deferred: list[Unit] = []  # units whose gradients wait for the end of backward
+        self._defer_grads = False
+        self.swap: SwapSpace | None = None
+        self.grads: GradPager | None = None
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # paged ones, closed with us
+        self.engine = None
+        self.mover: Mover | None = None
+        self.scheduler: Scheduler | None = None
+        self.activations: ActivationPager | None = None
+        self.autobatch: Any = None  # an AutoBatch over this model reports in stats()
+        self._fsdp_ids: set[int] = set()
+        self.shards: list[fsdp.Shard] = []  # FSDP's local shards, when the model is sharded
+        self._undo: list[Callable[[], None]] = []  # FSDP methods wrapped by us
+
+        if policy.params == "gpu" and self.device.type != "cuda":
+            raise ValueError('params="gpu" needs a CUDA compute device; this one is '
+                             f"{self.device}")
+        self.offloaded = policy.pages_params
+        fsdp_groups = self._fsdp_groups(model)
+        self._uninitialized = self._materialize_meta(model)
+        self.units, self.module_units = self._build_units(model)
+        self.fsdp_units = self._build_fsdp_units(model, fsdp_groups)
+        self.param_unit = {id(s.param): u for u in self.units for s in u.segments}
+        self.param_unit.update({id(s.public): self.param_unit[id(s.local)] for s in self.shards})
+        self._local = {id(s.public): s.local for s in self.shards}
+        largest = max(self.units, key=lambda u: u.nbytes, default=None)
+        self.budget = self._check_budget(largest)
+        self._add_descendants(model)
+
+        if not self.offloaded or largest is None:
+            # Resident tier: the parameters stay where compute is; nothing moves.
+            for p in model.parameters():
+                if id(p) in self._uninitialized:
+                    p.untyped_storage().resize_(p.numel() * p.element_size())
+                elif p.device != self.device:
+                    p.data = p.data.to(self.device)
+        elif policy.params == "cpu" and policy.cpu_budget is not None:
+            total = sum(u.nbytes for u in self.units)
+            if total > policy.cpu_budget:
+                raise MemoryError(
+                    f'params="cpu" keeps all {total} bytes ({format_bytes(total)}) of parameters '
+                    f"in RAM, over cpu_budget={policy.cpu_budget}; use params=\"nvme\"")
+        try:  # a failure here (no room on the disk, say) leaves no thread or file behind
+            if self.offloaded and largest is not None:
+                self._setup_tiers(largest, io_delay)
+                self._install_hooks(model)
+            if policy.activations is not None:
+                self._setup_activations(model, io_delay)
+        except BaseException:
+            self.close(restore=False)
+            raise
+        live.add(self)
+
+    def _setup_tiers(self, largest: Unit, io_delay: Callable[[], None] | None) -> None:
+        policy = self.policy
+        self.engine = policy.io.engine()
+        chunk = min(STAGING_CHUNK, -(-max(largest.nbytes, 1) // 4096) * 4096)
+        self.mover = Mover(self.device, chunk, NBUF, self.stats, io_delay)
+        if policy.params == "nvme":
+            if self.device.type == "cpu":
+                memory.return_freed_memory(memory.heap_reuse(self.budget))
+            names = [f"{n}:{tuple(s.param.shape)}:{s.param.dtype}"
+                     for u in self.units for n, s in zip(u.names, u.segments)]
+            need = sum(-(-u.nbytes // 4096) * 4096 for u in self.units)
+            self.swap = SwapSpace(policy.nvme_dir, need, stable_tag(names), self.engine)
+        prefetch_units, prefetch_bytes = policy.prefetch_window()
+        self.scheduler = Scheduler(self.units, self.mover, self.budget, prefetch_units,
+                                   prefetch_bytes, self.stats, policy.adapt)
+        self.grads = (GradPager(self.units, self.swap, self.mover, self.stats)
+                      if policy.grads == "nvme" else None)
+        # With several ranks, DDP reduces the gradients in a callback at the end of backward:
+        # they are paged once backward is over, after it (see _end_backward).
+        self._defer_grads = self.grads is not None and world_size() > 1
+        self._move_home()
+
+    def _setup_activations(self, model: nn.Module, io_delay: Callable[[], None] | None) -> None:
+        """Saved-tensor hooks around the model's forward page what it saves for backward."""
+        policy = self.policy
+        swap = self.swap
+        if policy.activations == "nvme" and swap is None:
+            if self.engine is None:
+                self.engine = policy.io.engine()
+            names = [n for u in self.units for n in u.names]
+            swap = self.swap = SwapSpace(policy.nvme_dir, 0, "act-" + stable_tag(names),
+                                         self.engine)
+        if self.device.type == "cpu":
+            memory.return_freed_memory()
+        params = [p for u in self.units for p in u.params]
+        self.activations = ActivationPager(
+            policy.activations, self.device, policy.activation_threshold,
+            policy.prefetch_window(), swap if policy.activations == "nvme" else None,
+            lambda: params, io_delay)
+        pager = self.activations
+        self._handles.append(model.register_forward_pre_hook(
+            lambda m, a: pager.begin(), prepend=True))
+        self._handles.append(model.register_forward_hook(
+            lambda m, a, o: pager.end(), always_call=True))
+
+    def _move_home(self) -> None:
+        """Gives each unit its home and writes its current values there, one unit at a time."""
+        pin = self.device.type == "cuda"
+        for u in self.units:
+            meta = any(id(p) in self._uninitialized for p in u.params)
+            for s in u.segments:
+                p = s.param
+                if meta:
+                    continue
+                if p.device != self.device or p.untyped_storage().nbytes() != s.end - s.start \
+                        or not p.is_contiguous():
+                    # Each parameter needs a storage of its own to be freed and refilled alone.
+                    p.data = p.data.to(self.device, copy=True).contiguous()
+            u.home = NvmeHome(self.swap, u.nbytes) if self.swap else RamHome(u.nbytes, pin)
+            if self.swap is not None and self.device.type == "cpu":
+                u.adopt_flat(self.swap.align)
+            if u.on_rebind is not None:
+                u.on_rebind()
+            if meta:
+                u.initialized = False
+            else:
+                self.scheduler.flush(u)
+            u.free()
+            u.state = State.AWAY
+
+    @contextlib.contextmanager
+    def resident(self, units: list[Unit], writeback: bool = False) -> Iterator[None]:
+        """Keeps ``units`` resident (over budget if need be) inside the block."""
+        if self.mover is None:  # nothing is offloaded
+            yield
+            return
+        self.settle(units)
+        self.scheduler.acquire(units, force=True, record=False)
+        try:
+            yield
+        finally:
+            if writeback:
+                for u in units:
+                    self.scheduler.flush(u)
+            self.scheduler.release(units)
+            self.scheduler.trim()
+
+    def close(self, restore: bool = True) -> None:
+        """Removes the hooks and the swap space. With ``restore`` the parameters are made
+        resident first, so the model goes on as a plain model."""
+        self.cores.give_back()
+        if restore:
+            self.settle()
+        for opt in list(self.optimizers):
+            opt.close()
+        if restore and self.mover is not None:
+            self.scheduler.acquire(self.units, force=True, record=False)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for undo in self._undo:
+            undo()
+        self._undo.clear()
+        if self.grads is not None:
+            self.grads.close()
+        if self.scheduler is not None:
+            self.scheduler.drain()
+        if self.mover is not None:
+            self.mover.close()
+            self.mover = None
+        if self.scheduler is not None:
+            self.scheduler.pool.clear()
+        if self.activations is not None:
+            self.activations.close()
+            self.activations = None
+        for u in self.units:
+            if u.home is not None:
+                u.home.release()
+                u.home = None
+        if self.swap is not None:
+            self.swap.close()
+            self.swap = None
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        live.discard(self)
+
+
+
+def offload(model: nn.Module, policy: BasePolicy | None = None, *,
+            _io_delay: Callable[[], None] | None = None) -> nn.Module:
+    """Pages ``model``'s parameters to ``policy.params`` and installs the hooks that bring them
+    back ahead of use. Changes the model in place and returns it."""
+    if getattr(model, "_tieroffload", None) is not None:
+        raise ValueError("model is already offloaded; tieroffload.close(model) first")
+    state = OffloadState(model, policy or BasePolicy(), _io_delay)
+    model._tieroffload = state
+    return model
+
+
+def _state(model: nn.Module) -> OffloadState:
+    state = getattr(model, "_tieroffload", None)
+    if state is None:
+        raise ValueError("model is not offloaded (call tieroffload.offload(model, policy))")
+    return state
+
+
+def stats(model: nn.Module) -> dict[str, Any]:
+    """Bytes moved per tier and direction, seconds compute waited on I/O, prefetch hits, late
+    prefetches and misses, acquires after which compute lent a core to I/O (``lent``),
+    evictions, resident and peak resident bytes on the compute device, the budget and the
+    fixed staging overhead."""
+    s = _state(model)
+    d = s.stats.as_dict()
+    if s.activations is not None:
+        d["activations"] = dict(s.activations.stats.__dict__)
+    if s.autobatch is not None:
+        d["autobatch"] = s.autobatch.stats()
+    d.update(budget=s.budget, overhead=s.mover.overhead if s.mover else 0,
+             device=str(s.device), tier=s.policy.params,
+             swap=s.swap.path if s.swap else None)
+    return d
+
+
+@contextlib.contextmanager
+def materialize(model: nn.Module, writeback: bool = False) -> Iterator[nn.Module]:
+    """Makes every parameter resident inside the block, so that its values can be read (or,
+    with ``writeback=True``, changed) directly."""
+    s = _state(model)
+    with s.resident(s.units, writeback=writeback):
+        yield model
+
+
+def close(model: nn.Module, restore: bool = True) -> None:
+    """Undoes ``offload``: removes hooks, closes its paged optimizers and deletes the swap space
+    (see OffloadState.close)."""
+    _state(model).close(restore)
+    model._tieroffload = None
+
+
+@atexit.register
+def _close_all() -> None:
+    for s in list(live):
+        s.close(restore=False)

@@ -1,0 +1,51 @@
+"""State-dict hooks: ``state_dict()`` reads true values of offloaded parameters, and
+``load_state_dict`` writes through to their homes."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..core.units import Unit
+
+
+class StateDictHooks:
+    """The part of ``OffloadState`` that serves ``state_dict`` and ``load_state_dict``."""
+
+    def local(self, p: torch.Tensor) -> torch.Tensor:
+        """What an optimizer steps for parameter ``p``: its local shard for an FSDP DTensor
+        parameter, else ``p`` itself."""
+        return self._local.get(id(p), p)
+
+    def _state_dict_post(self) -> Callable:
+        def hook(module: nn.Module, sd: dict, prefix: str, meta: Any) -> None:
+            # The entries share storage that eviction frees: hand out copies of the values,
+            # bringing each unit in once for all of its parameters.
+            todo: dict[Unit, list[tuple[str, nn.Parameter]]] = {}
+            for name, p in module._parameters.items():
+                key = prefix + name
+                u = self.param_unit.get(id(p)) if p is not None else None
+                if u is not None and key in sd and not isinstance(sd[key], nn.Parameter):
+                    todo.setdefault(u, []).append((key, p))
+            for u, entries in todo.items():
+                with self.resident([u]):
+                    for key, p in entries:
+                        sd[key] = p.detach().clone()
+        return hook
+
+    def _load_pre(self, units: list[Unit]) -> Callable:
+        def hook(module: nn.Module, *args: Any) -> None:
+            self.settle(units)
+            self.scheduler.acquire(units, force=True, record=False)
+        return hook
+
+    def _load_post(self, units: list[Unit]) -> Callable:
+        def hook(module: nn.Module, incompatible: Any) -> None:
+            for u in units:
+                self.scheduler.flush(u)
+            self.scheduler.release(units)
+            self.scheduler.trim()
+        return hook
+

@@ -1,0 +1,1 @@
+"""Helpers every layer may use: byte sizes, process memory, distributed rank, directory rules."""
