@@ -14,8 +14,21 @@ import threading
 from typing import Any
 
 from .. import _native
+from ..utils.sizes import MAX_SIZE
 from .buffers import bytes_view, memory_of
 from .engine import AlignmentError, Engine, Future, default_engine, error_for, warn_once
+
+
+def check_span(offset: int, nbytes: int) -> None:
+    """One-line ValueError unless [offset, offset + nbytes) is a range a file can have."""
+    for name, v in (("offset", offset), ("nbytes", nbytes)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, not {type(v).__name__}")
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0, not {v}")
+    if offset + nbytes > MAX_SIZE:
+        raise ValueError(f"offset {offset} + nbytes {nbytes} is past the largest file offset "
+                         f"(2**63 - 1)")
 
 
 class _Inflight:
@@ -57,6 +70,8 @@ class File:
         self.engine = engine if engine is not None else default_engine()
         if self.engine.closed:
             raise error_for(_errno.EBADF, "the engine is closed", self.path)
+        if os.path.isdir(self.path):  # before O_DIRECT's EINVAL reads as a file-system limit
+            raise error_for(_errno.EISDIR, "is a directory, not a file", self.path)
         flags = _MODES[mode] | os.O_CLOEXEC
         self.direct = direct
         if direct:
@@ -122,8 +137,7 @@ class File:
         addr, size, keep = memory_of(buf, writable=not write)
         if nbytes is None:
             nbytes = size
-        if nbytes < 0 or offset < 0:
-            raise ValueError(f"nbytes ({nbytes}) and offset ({offset}) must be >= 0")
+        check_span(offset, nbytes)
         if nbytes > size:
             raise ValueError(f"buffer of {size} bytes is too small for a request of {nbytes} bytes")
         if self.direct:
@@ -238,6 +252,7 @@ class StripedFile:
         view = bytes_view(buf)
         if nbytes is None:
             nbytes = len(view)
+        check_span(offset, nbytes)
         if nbytes > len(view):
             raise ValueError(f"buffer of {len(view)} bytes is too small for a request of "
                              f"{nbytes} bytes")

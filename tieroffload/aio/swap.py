@@ -7,6 +7,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import stat
 
 from ..utils.dist import rank
 from ..utils.paths import directories
@@ -29,6 +30,76 @@ def check_directory(directory: str, what: str = "nvme_dir") -> str:
     if not os.access(path, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, f"{what} is not writable", path)
     return path
+
+
+def private_folder(directory: str, name: str) -> str:
+    """``directory/name``, made (0700) or checked to be a real directory this user owns and
+    only it can enter. Where another user owns that name, this user gets ``name-uid<uid>``
+    beside it; a symlink there is an error."""
+    uid = os.geteuid()
+    for folder in (os.path.join(directory, name), os.path.join(directory, f"{name}-uid{uid}")):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(folder)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise PermissionError(errno.EPERM, "refusing to use a symlink or non-directory as "
+                                  "the swap folder; remove it", folder)
+        if st.st_uid != uid:
+            continue  # another user's: take our own
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.chmod(folder, 0o700)
+        return folder
+    raise PermissionError(errno.EPERM, "the swap folder belongs to another user", folder)
+
+
+def open_private(path: str) -> int:
+    """A descriptor of ``path``, created 0600 if missing; refuses a symlink, a hard link and a
+    file of another user (what could make writes land in someone else's file)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PermissionError(errno.EPERM, "refusing to follow a symlink planted at the "
+                                  "swap file's path; remove it", path) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        os.close(fd)
+        raise PermissionError(errno.EPERM, "refusing a swap file that is not a regular file of "
+                              "this user with one link; remove it", path)
+    return fd
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
+
+
+def remove_stale(folder: str) -> None:
+    """Removes swap files whose lock no live process holds (left by a process that was
+    killed); a live process's file is locked and left alone."""
+    for name in os.listdir(folder):
+        if not (name.startswith("tieroffload-") and name.endswith(".swap")):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # in use
+        else:
+            if os.fstat(fd).st_uid == os.geteuid():
+                os.unlink(path)
+        finally:
+            os.close(fd)
 
 
 def stable_tag(names: list[str]) -> str:
@@ -79,19 +150,24 @@ class SwapSpace:
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # sorted (offset, length)
 
     def _claim(self, directory: str, tag: str) -> tuple[int, str, str]:
-        """Opens and locks the first free name: rank<r>/tieroffload-<tag>-rank<r>[-<n>].swap."""
+        """Opens and locks the first free name: rank<r>/tieroffload-<tag>-rank<r>[-<n>].swap,
+        in a folder this user owns (0700). A symlink or a file that is not ours is refused,
+        never followed; swap files of processes that died (their lock is free) are removed."""
         r = rank()
-        folder = os.path.join(directory, f"rank{r}")
-        os.makedirs(folder, exist_ok=True)
+        folder = private_folder(directory, f"rank{r}")
+        remove_stale(folder)
         for n in range(1000):
             suffix = f"-{n}" if n else ""
             path = os.path.join(folder, f"tieroffload-{tag}-rank{r}{suffix}.swap")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = open_private(path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return fd, path, folder
             except BlockingIOError:
                 os.close(fd)  # another live process owns this one
+                continue
+            if _same_file(fd, path):
+                return fd, path, folder
+            os.close(fd)  # removed as stale between our open and our lock: take another name
         raise OSError(errno.EEXIST, "no free swap file name", folder)
 
     def _round(self, n: int) -> int:
@@ -125,6 +201,17 @@ class SwapSpace:
         self.capacity += grow
         self.file.allocate(self.capacity)
         return off
+
+    def reserve(self, sizes: list[int]) -> None:
+        """Makes sure extents of ``sizes`` bytes can be allocated later without the disk
+        filling up: allocated now (the file grows, ENOSPC raised here) and freed again."""
+        offsets = []
+        try:
+            for n in sizes:
+                offsets.append(self.alloc(n))
+        finally:
+            for off, n in zip(offsets, sizes):
+                self.free(off, n)
 
     def free(self, offset: int, nbytes: int) -> None:
         """Returns an extent; neighbours are merged."""

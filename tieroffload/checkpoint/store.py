@@ -3,13 +3,21 @@
 
 A checkpoint is a directory: ``tensors.bin`` (raw bytes), ``manifest.json`` (for each tensor:
 key, dtype, shape, offset, size and CRC-32) and ``extra.pt`` (optimizer hyperparameters, the
-non-tensor state and the caller's ``extra``). It is written under a temporary name, fsynced and
-renamed over the old one, so a failure (a full disk) leaves the previous checkpoint as it was.
-Loading checks sizes and checksums of everything before it changes anything.
+non-tensor state and the caller's ``extra``: plain types and tensors only, loaded with
+``weights_only=True`` so that a crafted file cannot run code, and checksummed like the tensors).
+Everything is private to the user (0700 directories, 0600 files).
+
+It is written under ``<path>.tmp-<pid>``, fsynced, and renamed into place: a failure (a full
+disk) leaves the previous checkpoint as it was. A kill between moving the old one aside and
+moving the new one in leaves no ``<path>`` but a complete copy beside it, which the next load or
+save puts back in place; leftovers of dead processes are then removed, a live one's never.
+Loading checks the whole manifest against the model and the optimizer, and the sizes and
+checksums of everything, before it changes anything.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -51,6 +59,68 @@ class _Writer:
         self.f.write(mv)
 
 
+def _create(path: str) -> BinaryIO:
+    """A new file only this user may read (0600)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600), "wb")
+
+
+def _mkdir(path: str) -> None:
+    os.mkdir(path, 0o700)
+    os.chmod(path, 0o700)  # whatever the umask
+
+
+def _crc(path: str) -> tuple[int, int]:
+    """(bytes, CRC-32) of a file."""
+    crc = n = 0
+    with open(path, "rb") as f:
+        while block := f.read(READ):
+            crc, n = zlib.crc32(block, crc), n + len(block)
+    return n, crc
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _leftovers(path: str) -> list[tuple[str, int]]:
+    """(directory, pid) of ``<path>.tmp-<pid>`` and ``<path>.old-<pid>`` beside ``path``."""
+    out = []
+    for d in glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".old-*"):
+        tail = d.rsplit("-", 1)[-1]
+        if tail.isdigit() and os.path.isdir(d) and not os.path.islink(d):
+            out.append((d, int(tail)))
+    return out
+
+
+def _recover(path: str) -> None:
+    """Where ``path`` is missing, puts back the newest complete copy a killed save left beside
+    it (a new one whose manifest was written, else the old one); then removes the leftovers of
+    dead processes. A live process's temporary directory is never touched."""
+    dead = [(d, pid) for d, pid in _leftovers(path) if not _alive(pid)]
+    if not os.path.exists(path):
+        complete = []
+        for d, _ in dead:
+            try:
+                _read_manifest(d)
+            except CheckpointError:
+                continue
+            new = ".tmp-" in d[len(path):]
+            complete.append((new, os.path.getmtime(os.path.join(d, "manifest.json")), d))
+        if complete:
+            os.rename(max(complete)[2], path)
+            _fsync_dir(os.path.dirname(path))
+    for d, _ in dead:
+        if os.path.isdir(d):
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -77,13 +147,15 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
         dist.broadcast_object_list(token, src=0)  # one temporary name for every rank
     tmp = token[0]
     if rank == 0:
+        _recover(path)
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        _mkdir(tmp)
     if dist:
         dist.barrier()
     part = os.path.join(tmp, f"rank{rank}") if dist else tmp
     try:
-        os.makedirs(part, exist_ok=True)
+        if part != tmp:
+            _mkdir(part)
         meta: Any = _write(part, model, optimizer, extra)
         _fsync_dir(part)
     except BaseException as e:
@@ -101,8 +173,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
         if rank == 0:
             manifest = metas[0] if not dist else {
                 "format": FORMAT, "version": VERSION, "world_size": len(metas), "ranks": metas}
-            with open(os.path.join(tmp, "manifest.json"), "w") as f:
-                json.dump(manifest, f)
+            with _create(os.path.join(tmp, "manifest.json")) as f:
+                f.write(json.dumps(manifest).encode())
                 f.flush()
                 os.fsync(f.fileno())
             _fsync_dir(tmp)
@@ -126,7 +198,7 @@ def _write(tmp: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     state = getattr(model, "_tieroffload", None)
     scalars: dict[str, Any] = {}
     loss_scale = None
-    with open(os.path.join(tmp, "tensors.bin"), "wb") as f:
+    with _create(os.path.join(tmp, "tensors.bin")) as f:
         w = _Writer(f)
         if state is not None:
             for u in state.units:  # one unit resident at a time
@@ -165,12 +237,20 @@ def _write(tmp: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
-    torch.save({"param_groups": groups, "scalars": scalars, "loss_scale": loss_scale,
-                "extra": extra},
-               os.path.join(tmp, "extra.pt"))
-    with open(os.path.join(tmp, "extra.pt"), "rb+") as f:
+    epath = os.path.join(tmp, "extra.pt")
+    with _create(epath) as f:
+        torch.save({"param_groups": groups, "scalars": scalars, "loss_scale": loss_scale,
+                    "extra": extra}, f)
+        f.flush()
         os.fsync(f.fileno())
-    return {"format": FORMAT, "version": VERSION, "size": size, "tensors": w.entries}
+    try:  # what load will accept: refused now, while the previous checkpoint is in place
+        torch.load(epath, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"extra holds a type that cannot be loaded safely (use dicts, "
+                              f"lists, numbers, strings and tensors): {e}".splitlines()[0]) from e
+    nbytes, crc = _crc(epath)
+    return {"format": FORMAT, "version": VERSION, "size": size, "tensors": w.entries,
+            "extra": {"nbytes": nbytes, "crc32": crc}}
 
 
 def _read_manifest(path: str) -> dict[str, Any]:
@@ -198,6 +278,15 @@ def _check_size(path: str, meta: dict[str, Any]) -> None:
 
 
 def _verify(path: str, meta: dict[str, Any]) -> None:
+    extra = meta.get("extra")
+    if extra is None:
+        raise CheckpointError(f"checkpoint {path} has no checksum of extra.pt (saved by an "
+                              "older tieroffload): save it again")
+    epath = os.path.join(path, "extra.pt")
+    got = _crc(epath) if os.path.isfile(epath) else (-1, -1)
+    if got != (extra["nbytes"], extra["crc32"]):
+        raise CheckpointError(f"checkpoint {path} is corrupt: extra.pt ({got[0]} bytes) fails "
+                              f"its checksum")
     with open(os.path.join(path, "tensors.bin"), "rb") as f:
         for e in meta["tensors"]:
             f.seek(e["offset"])
@@ -220,6 +309,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     not) and ``optimizer``; returns ``extra``. Refuses a truncated or corrupt checkpoint, or one
     that does not fit the model, before changing anything."""
     path = os.path.abspath(os.fspath(path))
+    if not os.path.exists(path):
+        _recover(path)
     meta = _read_manifest(path)
     if "ranks" in meta:  # saved by several ranks: this rank reads its own part
         dist = distributed()
@@ -234,7 +325,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     _verify(path, meta)
     entries = {e["key"]: e for e in meta["tensors"]}
     try:
-        saved = torch.load(os.path.join(path, "extra.pt"), weights_only=False)
+        saved = torch.load(os.path.join(path, "extra.pt"), weights_only=True)
     except Exception as e:
         raise CheckpointError(f"checkpoint {path}: extra.pt is unreadable: {e}") from e
     state = getattr(model, "_tieroffload", None)
@@ -248,6 +339,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         if e["shape"] != list(p.shape) or e["dtype"] != str(p.dtype).removeprefix("torch."):
             raise CheckpointError(f"checkpoint {path}: {name} is {e['dtype']}{e['shape']}, the "
                                   f"model has {p.dtype}{list(p.shape)}")
+    if optimizer is not None:
+        _check_optimizer(path, optimizer, saved, entries)
     with open(os.path.join(path, "tensors.bin"), "rb") as f:
         def fill(t: torch.Tensor, key: str) -> None:
             e = entries[key]
@@ -287,8 +380,6 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any],
                 st[key[len(prefix):]] = t
         return st or None
 
-    if saved["param_groups"] is None:
-        raise CheckpointError("checkpoint has no optimizer state")
     if isinstance(optimizer, PagedOptimizer):
         optimizer.load_groups(saved["param_groups"])
         if optimizer.scaler is not None and saved.get("loss_scale"):
@@ -300,3 +391,36 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any],
         n = sum(len(g["params"]) for g in saved["param_groups"])
         state = {i: st for i in range(n) if (st := state_of(i)) is not None}
         optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def _check_optimizer(path: str, optimizer: torch.optim.Optimizer, saved: dict[str, Any],
+                     entries: dict[str, dict[str, Any]]) -> None:
+    """Refuses, before anything is written, optimizer state that does not fit ``optimizer``:
+    none saved, other param groups, or a state tensor of another shape or dtype than the one
+    the optimizer keeps for that parameter (its own dtype, or fp32 where it has a master)."""
+    groups = saved["param_groups"]
+    if groups is None:
+        raise CheckpointError(f"checkpoint {path} has no optimizer state; load it without the "
+                              "optimizer")
+    mine = optimizer.param_groups
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in mine]:
+        raise CheckpointError(f"checkpoint {path}: optimizer param groups of "
+                              f"{[len(g['params']) for g in groups]} parameters, this optimizer "
+                              f"has {[len(g['params']) for g in mine]}")
+    params = [p for g in mine for p in g["params"]]
+    masters = ({id(c.params[i]) for c in optimizer.chunks for i in c.masters}
+               if isinstance(optimizer, PagedOptimizer) else set())
+    for key, e in entries.items():
+        if not key.startswith("optim/"):
+            continue
+        _, i, name = key.split("/", 2)
+        if not i.isdigit() or int(i) >= len(params):
+            raise CheckpointError(f"checkpoint {path}: {key} is for no parameter of this "
+                                  f"optimizer ({len(params)} parameters)")
+        p = params[int(i)]
+        if len(e["shape"]) == 0 and e["nbytes"] <= 8:
+            continue  # a scalar such as step
+        want = "float32" if id(p) in masters else str(p.dtype).removeprefix("torch.")
+        if e["shape"] != list(p.shape) or e["dtype"] != want:
+            raise CheckpointError(f"checkpoint {path}: {key} is {e['dtype']}{e['shape']}, this "
+                                  f"optimizer keeps {want}{list(p.shape)} for that parameter")

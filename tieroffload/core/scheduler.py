@@ -152,16 +152,20 @@ class Scheduler:
             if record:
                 self._advance(u.id)
             u.pins += 1
-        for u in units:
-            self._start(u, force)
-        # The window's reads start before the wait for these units, not after it: the disk
-        # then has the units behind them queued while it reads these, at no cost in memory
-        # (the window does not count the units acquired).
-        if record:
-            self._prefetch(units)
-        self.waited = any(u.reading for u in units)
-        for u in units:
-            self._finish(u)
+        try:
+            for u in units:
+                self._start(u, force)
+            # The window's reads start before the wait for these units, not after it: the disk
+            # then has the units behind them queued while it reads these, at no cost in memory
+            # (the window does not count the units acquired).
+            if record:
+                self._prefetch(units)
+            self.waited = any(u.reading for u in units)
+            for u in units:
+                self._finish(u)
+        except BaseException:
+            self.release(units)  # a failed acquire holds nothing: a retry starts afresh
+            raise
 
     def behind(self) -> bool:
         """The next unit along the trace is still being read (compute may wait for it)."""
@@ -188,7 +192,7 @@ class Scheduler:
             self._finish(u)
             return
         if u.state is State.FETCHING:
-            if u.ticket.done():
+            if u.ticket is None or u.ticket.done():
                 self.stats.hits += 1
             else:
                 self.stats.late += 1
@@ -208,9 +212,21 @@ class Scheduler:
             u.ticket = None
 
     def _finish(self, u: Unit) -> None:
+        """Waits for the unit's move. A failed read leaves it AWAY (its memory given back, the
+        next acquire reads it afresh); a failed write leaves it RESIDENT and dirty (its values
+        are still here, written again at its next eviction). Either way the error is raised."""
         if u.ticket is not None:
             ticket, u.ticket = u.ticket, None
-            timed_wait(ticket, self.stats)
+            try:
+                timed_wait(ticket, self.stats)
+            except BaseException:
+                if u.state is State.FETCHING:
+                    u.free()
+                    u.state = State.AWAY
+                    self._account(-u.nbytes)
+                else:
+                    u.state, u.dirty = State.RESIDENT, True
+                raise
         u.state = State.RESIDENT
 
     def _account(self, delta: int) -> None:

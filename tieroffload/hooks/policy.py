@@ -65,6 +65,14 @@ class BasePolicy:
     lend_core: bool = False
 
     def __post_init__(self) -> None:
+        if self.device is not None:
+            try:
+                dev = torch.device(self.device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"device: {e}".splitlines()[0]) from None
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device={self.device!r} but CUDA is not available here "
+                                 "(a CPU build of torch, or no GPU): use device='cpu'")
         if self.params not in TIERS:
             raise ValueError(f"params must be one of {TIERS}, not {self.params!r}")
         if self.optimizer is None:

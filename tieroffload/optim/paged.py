@@ -130,9 +130,26 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._pending: dict[int, list[torch.Tensor | None] | None] = {}  # chunk -> its grads
         self._pending_scale: float | None = None
         self._settling = False
+        self._resume = False  # a step failed part way: its other chunks wait in _pending
         self._unit_chunk = {u.id: i for i, c in enumerate(self.chunks) for u in c.units}
+        if self.tier == "nvme":
+            try:  # a full disk fails here, not in the middle of a step
+                self.swap.reserve([self._state_bytes(c) for c in self.chunks])
+            except BaseException:
+                self.close()
+                raise
         _live.add(self)
         self.offload.optimizers.add(self)
+
+    def _state_bytes(self, chunk: _Chunk) -> int:
+        """Bytes of the chunk's state once stepped: two fp32 slots per element (Adam's moments;
+        one for SGD with momentum, none without), its fp32 masters, a step count each."""
+        momentum = any(g.get("momentum", 0) for g in self.param_groups)
+        slots = (1 if momentum else 0) if issubclass(self.opt_cls, torch.optim.SGD) else 2
+        n = 0
+        for i, p in enumerate(chunk.params):
+            n += (slots + (i in chunk.masters)) * p.numel() * 4 + 64
+        return n
 
     def _local_params(self, model: nn.Module, params: list | None) -> list:
         """The parameters (or param groups) to step, with FSDP's DTensor parameters replaced
@@ -245,8 +262,16 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._writing.remove(chunk)
         if chunk.pending is not None:
             ticket, chunk.pending = chunk.pending, None
-            timed_wait(ticket, self.offload.stats)
             u = chunk.state_unit
+            try:
+                timed_wait(ticket, self.offload.stats)
+            except BaseException:
+                # A failed read gives the memory back (the next use reads afresh); after a
+                # failed write the state is still here, resident, and goes out again later.
+                if u.state is State.FETCHING:
+                    u.free()
+                    u.state = State.AWAY
+                raise
             if u.state is State.FETCHING:
                 u.state = State.RESIDENT
             else:  # a store finished: the memory can go
@@ -306,7 +331,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        resuming = self._resume
         self.settle()  # what a previous step left, before new gradients are taken
+        if resuming:  # this call retries a step that failed part way: it is now complete
+            self._resume = False
+            return loss
         self._backwards = 0
         for shard in self.offload.shards:
             shard.pull_grad()
@@ -441,42 +470,61 @@ class PagedOptimizer(torch.optim.Optimizer):
         last, the next deferred chunk's state starts coming in."""
         chunks = self.chunks
         sched = self.offload.scheduler if self.offload.mover is not None else None
-        for k, i in enumerate(todo):
-            chunk = chunks[i]
-            self._state_in(chunk)  # read ahead, except the first
-            if sched is not None:  # held while the next chunk is prefetched: it must stay
-                sched.acquire(chunk.units, force=True, record=False)
-            try:
-                nxt = chunks[todo[k + 1]] if k + 1 < len(todo) else None
-                ahead = nxt or next((chunks[j] for j in sorted(self._pending) if j > i), None)
-                if ahead is not None:
-                    # Earlier chunks' stores first: their pages go to the state read next.
-                    self._drain()
-                    self._page_in(ahead)
-                    if self.offload.grads is not None:
-                        self.offload.grads.start_bring_in(ahead.units)
-                    if sched is not None and nxt is not None:
-                        sched.prefetch(nxt.units)
-                grads = self._pending.pop(i, None)
-                if grads is not None:
-                    for p, g in zip(chunk.params, grads):
-                        p.grad = g
-                if self.offload.grads is not None:
-                    self.offload.grads.bring_in(chunk.units)
-                self._step_chunk(chunk, scale)
-                if grads is not None:  # used up: the user's zero_grad may already have run
-                    for p in chunk.params:
-                        p.grad = None
-            finally:
-                if sched is not None:
-                    sched.release(chunk.units)
-            self._consume_grads(chunk)
-            self._page_out(chunk)
+        done = 0
+        try:
+            for k in range(len(todo)):
+                self._run_chunk(todo, k, sched, scale)
+                done += 1  # updated: a failure from here on must not update it again
+                self._consume_grads(chunks[todo[k]])
+                self._page_out(chunks[todo[k]])
+        except BaseException:
+            # The chunks not updated wait in _pending with their gradients, so that retrying
+            # the call that failed updates each of them once (and those done, not again).
+            for i in todo[done:]:
+                if i not in self._pending:
+                    self._pending[i] = self._take_grads(chunks[i])
+                    self._resume = True
+            self._pending_scale = scale
+            raise
         if not self._pending:  # the step is done: nothing more to overlap its stores with
             self._drain()
             self.pool.clear()  # until the next step, its pages serve nothing
             if self.offload.grads is not None:
                 self.offload.grads.pool.clear()
+
+    def _run_chunk(self, todo: list[int], k: int, sched: Any, scale: float | None) -> None:
+        """Updates chunk ``todo[k]`` (see ``_run``): its state, gradients and parameters in,
+        the next chunk's on their way."""
+        chunks = self.chunks
+        i = todo[k]
+        chunk = chunks[i]
+        self._state_in(chunk)  # read ahead, except the first
+        if sched is not None:  # held while the next chunk is prefetched: it must stay
+            sched.acquire(chunk.units, force=True, record=False)
+        try:
+            nxt = chunks[todo[k + 1]] if k + 1 < len(todo) else None
+            ahead = nxt or next((chunks[j] for j in sorted(self._pending) if j > i), None)
+            if ahead is not None:
+                # Earlier chunks' stores first: their pages go to the state read next.
+                self._drain()
+                self._page_in(ahead)
+                if self.offload.grads is not None:
+                    self.offload.grads.start_bring_in(ahead.units)
+                if sched is not None and nxt is not None:
+                    sched.prefetch(nxt.units)
+            grads = self._pending.pop(i, None)
+            if grads is not None:
+                for p, g in zip(chunk.params, grads):
+                    p.grad = g
+            if self.offload.grads is not None:
+                self.offload.grads.bring_in(chunk.units)
+            self._step_chunk(chunk, scale)
+            if grads is not None:  # used up: the user's zero_grad may already have run
+                for p in chunk.params:
+                    p.grad = None
+        finally:
+            if sched is not None:
+                sched.release(chunk.units)
 
     def _step_chunk(self, chunk: _Chunk, scale: float | None) -> None:
         for i, p in enumerate(chunk.params):
