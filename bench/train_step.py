@@ -68,6 +68,8 @@ def main() -> None:
                         "backward")
     p.add_argument("--lend-core", action="store_true",
                    help="Policy(lend_core=True): compute lends a core to reads while behind them")
+    p.add_argument("--checksum", action="store_true",
+                   help="Policy(checksum=True): a CRC-32 of every unit written, checked on read")
     p.add_argument("--meta", action="store_true",
                    help="no resident run: build on the meta device and stream random weights "
                         "into NVMe (for a model whose training state exceeds RAM)")
@@ -102,7 +104,7 @@ def main() -> None:
         "prefetch": int(args.prefetch) if args.prefetch.isdigit() else args.prefetch}
     tieroffload.offload(model, tieroffload.Policy(
         params="nvme", optimizer="nvme", grads="nvme", nvme_dir=tmp.name, device="cpu",
-        cpu_budget=args.budget, lend_core=args.lend_core, **prefetch))
+        cpu_budget=args.budget, lend_core=args.lend_core, checksum=args.checksum, **prefetch))
     if args.meta:
         t0 = time.perf_counter()
         tieroffload.load_weights(model, RandomWeights(model))

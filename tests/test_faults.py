@@ -339,6 +339,48 @@ def test_enospc_mid_training_then_checkpoint_and_close(tmp_path):
 
 
 
+# === 4. checksums of swap blocks ============================================================
+
+@pytest.mark.parametrize("where", ["params", "optimizer"])
+def test_a_corrupt_swap_block_is_an_error_naming_the_unit_and_offset(tmp_path, where):
+    torch.manual_seed(0)
+    model = tieroffload.offload(TinyGPT(), nvme_policy(tmp_path, checksum=True,
+                                                       optimizer="nvme"))
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, overlap=False, **KW)
+    train_step(model, opt, 0)
+    model(batch(1))  # every unit and chunk has been written and read back once
+    unit = (opt.chunks[0].state_unit if where == "optimizer"
+            else next(u for u in model._tieroffload.units if u.home is not None))
+    with open(unit.home.swap.path, "r+b") as f:  # one bad byte in that unit's extent
+        f.seek(unit.home.offset + 100)
+        b = f.read(1)
+        f.seek(unit.home.offset + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(OSError) as ei:
+        for s in range(3):
+            train_step(model, opt, s)
+    msg = str(ei.value)
+    assert ei.value.errno == errno.EIO and "checksum" in msg and "offset" in msg, msg
+    assert unit.name in msg and str(unit.home.offset) in msg, msg
+    tieroffload.close(model, restore=False)
+
+
+def test_checksums_change_no_result(tmp_path):
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    got = {}
+    for on in (False, True):
+        (tmp_path / str(on)).mkdir()
+        model = tieroffload.offload(copy.deepcopy(ref), nvme_policy(
+            tmp_path / str(on), checksum=on, optimizer="nvme"))
+        opt = tieroffload.optimizer(model, torch.optim.AdamW, **KW)
+        for s in range(3):
+            train_step(model, opt, s)
+        got[on] = params_of(model)
+        tieroffload.close(model)
+    assert_same(got[False], got[True], "checksums on")
+
+
 # === 5. hostile paths and modes ==============================================================
 
 def test_planted_symlink_at_swap_path_leaves_victim_alone(tmp_path):

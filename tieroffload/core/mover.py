@@ -3,15 +3,17 @@ that say when a move is done (re-raising what the worker met)."""
 
 from __future__ import annotations
 
+import errno
 import queue
 import threading
 import time
+import zlib
 from typing import Any, Callable
 
 import torch
 
 from ..aio.buffers import aligned_empty
-from ..aio.engine import Future
+from ..aio.engine import Future, error_for
 from .stats import Stats
 from .units import Unit
 
@@ -47,15 +49,18 @@ class IOTicket(Ticket):
     """A move that is one async read or write straight into the unit's buffer: nothing to do
     but wait for the engine, so many of them can be in flight at once."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Future, verify: Callable[[], None] | None = None) -> None:
         super().__init__()
         self.future = future
+        self.verify = verify  # checks what a read brought (Policy(checksum=True))
 
     def done(self) -> bool:
         return self.future.done()
 
     def wait(self) -> None:
         self.future.result()
+        if self.verify is not None:
+            self.verify()
 
 
 class Mover:
@@ -63,8 +68,9 @@ class Mover:
     ``chunk`` bytes (pinned on CUDA): the fixed memory overhead of NVMe offload."""
 
     def __init__(self, device: torch.device, chunk: int, nbuf: int, stats: Stats,
-                 delay: Callable[[], None] | None = None) -> None:
+                 delay: Callable[[], None] | None = None, checksum: bool = False) -> None:
         self.device = device
+        self.checksum = checksum  # CRC-32 of every unit written to NVMe, checked on read
         self.cuda = device.type == "cuda"
         self.chunk = chunk
         self.nbuf = nbuf
@@ -139,8 +145,23 @@ class Mover:
 
     def move_now(self, unit: Unit, write: bool) -> None:
         """The move itself, on the calling thread (the worker's, for jobs that do more)."""
+        summed = self.checksum and unit.home.tier == "nvme"
+        if summed and write:
+            unit.crc = crc_of(unit)
         (unit.home.store if write else unit.home.load)(unit, self)
+        if summed and not write:
+            self.verify(unit)
         self._count(unit, write)
+
+    def verify(self, unit: Unit) -> None:
+        """Raises an EIO naming the unit, the file and the offset where the bytes read are
+        not the bytes written (a hole, a bad block, another writer)."""
+        if unit.crc is None or crc_of(unit) == unit.crc:
+            return
+        home = unit.home
+        raise error_for(errno.EIO, f"checksum mismatch: the {unit.nbytes} bytes of "
+                        f"{unit.name!r} read back differ from those written",
+                        home.swap.path, home.offset)
 
     def _count(self, unit: Unit, write: bool) -> None:
         (self.stats.bytes_written if write else self.stats.bytes_read)[unit.home.tier] += \
@@ -153,8 +174,11 @@ class Mover:
         # A unit with its own aligned buffer moves by one async request, issued now, so many
         # can be in flight (tests that inject delays go through the worker instead).
         self._count(unit, write)
+        if self.checksum and write:
+            unit.crc = crc_of(unit)
         io = home.swap.file.pwrite if write else home.swap.file.pread
-        return IOTicket(io(unit.flat, home.offset))
+        verify = (lambda: self.verify(unit)) if self.checksum and not write else None
+        return IOTicket(io(unit.flat, home.offset), verify)
 
     def _run(self) -> None:
         while True:
@@ -183,6 +207,16 @@ class Mover:
             self._jobs.put(None)
             self._thread.join()
         self._staging.clear()
+
+
+def crc_of(unit: Unit) -> int:
+    """CRC-32 of the unit's bytes as they are now (its flat buffer, or each parameter's)."""
+    if unit.flat is not None:
+        return zlib.crc32(unit.flat.numpy())
+    crc = 0
+    for seg in unit.segments:  # a copy: numpy() would pin the storage's size
+        crc = zlib.crc32(seg.view().cpu().clone().numpy(), crc)
+    return crc
 
 
 def timed_wait(ticket: Ticket, stats: Any) -> None:

@@ -78,6 +78,7 @@ class Unit:
         self.dirty = False
         self.initialized = True  # False for a model built on the meta device, until loaded
         self.last_use = 0
+        self.crc: int | None = None  # of the bytes last written home (Policy(checksum=True))
 
     @property
     def params(self) -> list[torch.nn.Parameter]:

@@ -48,6 +48,10 @@ class BasePolicy:
     ``lend_core``: with params on NVMe and compute on the CPU, compute runs on one thread fewer
     while it is behind its reads, leaving the reads a core (``tieroffload.threads``); off by
     default, as results then differ in the last bits from a run at a fixed thread count.
+    ``checksum``: a CRC-32 of each unit (parameters, gradients, optimizer state) written to
+    NVMe, checked when it is read back: a hole or a bad block raises an EIO naming the unit,
+    the file and the offset instead of training on zeros (costs a CRC pass over every byte
+    moved; see bench/README.md).
     """
 
     params: str = "cpu"
@@ -63,6 +67,7 @@ class BasePolicy:
     activation_threshold: int | str = "1MiB"
     adapt: bool = True
     lend_core: bool = False
+    checksum: bool = False
 
     def __post_init__(self) -> None:
         if self.device is not None:

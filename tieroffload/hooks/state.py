@@ -112,7 +112,8 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks):
         policy = self.policy
         self.engine = policy.io.engine()
         chunk = min(STAGING_CHUNK, -(-max(largest.nbytes, 1) // 4096) * 4096)
-        self.mover = Mover(self.device, chunk, NBUF, self.stats, io_delay)
+        self.mover = Mover(self.device, chunk, NBUF, self.stats, io_delay,
+                           checksum=self.policy.checksum)
         if policy.params == "nvme":
             if self.device.type == "cpu":
                 memory.return_freed_memory(memory.heap_reuse(self.budget))

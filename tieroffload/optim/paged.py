@@ -93,7 +93,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             engine = self.offload.engine
             if self.mover is None:  # the parameters are not offloaded: move state on our own
                 engine = policy.io.engine()
-                self.mover = Mover(self.offload.device, CHUNK_BYTES, NBUF, self.offload.stats)
+                self.mover = Mover(self.offload.device, CHUNK_BYTES, NBUF, self.offload.stats,
+                                   checksum=policy.checksum)
                 self._owned += [engine, self.mover]
             self.swap = self.offload.swap
             if self.swap is None:
