@@ -616,6 +616,47 @@ def test_swap_files_of_killed_runs_are_removed_and_live_ones_kept(tmp_path):
     tieroffload.close(model)
 
 
+SAVER = """
+import sys, torch, tieroffload
+sys.path.insert(0, {tests!r})
+from models import mlp
+torch.manual_seed(0)
+model = mlp(width=64, depth=4)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, 64)).square().mean().backward()
+opt.step()
+print("ready", flush=True)
+for i in range(100000):
+    tieroffload.save_checkpoint({path!r}, model, opt, extra={{"i": i}})
+"""
+
+
+def test_a_kill_at_any_moment_of_a_save_leaves_a_loadable_checkpoint(tmp_path):
+    """SIGKILL a process that saves over and over, at moments spread over a save: every time,
+    the checkpoint loads (the last complete save, or the one before)."""
+    import random
+    import signal
+
+    path = str(tmp_path / "ckpt")
+    rng = random.Random(0)
+    loaded = []
+    for _ in range(6):
+        child = subprocess.Popen([sys.executable, "-c", SAVER.format(tests=HERE, path=path)],
+                                 stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(0.2 + rng.random() * 0.3)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        model = mlp(width=64, depth=4)
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 64)).square().mean().backward()
+        opt.step()
+        loaded.append(tieroffload.load_checkpoint(path, model, opt)["i"])
+    assert len(set(loaded)) > 1, loaded  # the kills landed at different saves
+    leftovers = [n for n in os.listdir(tmp_path) if n != "ckpt"]
+    assert not leftovers, f"a load left these behind: {leftovers}"
+
+
 # === 9. a long run does not leak =============================================================
 
 def _rss_kib() -> int:

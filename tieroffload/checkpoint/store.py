@@ -309,11 +309,13 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     not) and ``optimizer``; returns ``extra``. Refuses a truncated or corrupt checkpoint, or one
     that does not fit the model, before changing anything."""
     path = os.path.abspath(os.fspath(path))
-    if not os.path.exists(path):
-        _recover(path)
+    dist = distributed()
+    if not dist or dist.get_rank() == 0:
+        _recover(path)  # a save killed half way: put its complete copy back, clear leftovers
+    if dist:
+        dist.barrier()
     meta = _read_manifest(path)
     if "ranks" in meta:  # saved by several ranks: this rank reads its own part
-        dist = distributed()
         world = dist.get_world_size() if dist else 1
         if world != meta["world_size"]:
             raise CheckpointError(f"checkpoint {path} was saved by {meta['world_size']} ranks; "
