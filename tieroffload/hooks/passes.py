@@ -27,7 +27,9 @@ class PassHooks:
         h.append(model.register_forward_hook(self._end_forward))
         for module, units in self.module_units.items():
             h.append(module.register_forward_pre_hook(self._pre_forward(units)))
-            h.append(module.register_forward_hook(self._post_forward(units)))
+            # always_call: released even when the forward raises (or stops early, as
+            # non-reentrant checkpointing's recomputation does).
+            h.append(module.register_forward_hook(self._post_forward(units), always_call=True))
             h.append(module.register_state_dict_post_hook(self._state_dict_post()))
             h.append(module.register_load_state_dict_pre_hook(self._load_pre(units)))
             h.append(module.register_load_state_dict_post_hook(self._load_post(units)))
@@ -54,6 +56,7 @@ class PassHooks:
                 self._grads_seen.clear()
                 self._deferred.clear()
                 self._release_bwd_pins()
+            self._release_fwd_pins()  # left by a forward that raised past its hooks
             if torch.is_grad_enabled():
                 self._fresh_forward = True
                 for opt in list(self.optimizers):
@@ -68,6 +71,8 @@ class PassHooks:
     def _pre_forward(self, units: list[Unit]) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
             self._acquire(units)
+            for u in units:
+                self._fwd_pins[u.id] = self._fwd_pins.get(u.id, 0) + 1
         return hook
 
     def _acquire(self, units: list[Unit]) -> None:
@@ -90,7 +95,11 @@ class PassHooks:
 
     def _post_forward(self, units: list[Unit]) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self.scheduler.release(units)
+            for u in units:
+                if self._fwd_pins.get(u.id, 0) <= 0:
+                    continue  # already released by _begin_iteration
+                self._fwd_pins[u.id] -= 1
+                self.scheduler.release([u])
             if not torch.is_grad_enabled():
                 return
             outs, ins = _grad_tensors(output), _grad_tensors(args)
@@ -162,6 +171,13 @@ class PassHooks:
         for uid, n in self._bwd_pins.items():
             self.scheduler.release([self.units[uid]] * n)
         self._bwd_pins.clear()
+
+    def _release_fwd_pins(self) -> None:
+        """Releases the pins of forwards whose post-forward hook never ran (a
+        KeyboardInterrupt skips torch's always-call hooks)."""
+        for uid, n in self._fwd_pins.items():
+            self.scheduler.release([self.units[uid]] * n)
+        self._fwd_pins.clear()
 
     def _page_deferred(self) -> None:
         units, self._deferred = self._deferred, []

@@ -51,6 +51,7 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks):
                                 and self.device.type == "cpu")
         self._handles: list[Any] = []
         self._bwd_pins: dict[int, int] = {}
+        self._fwd_pins: dict[int, int] = {}  # unit id -> forwards that acquired, not released
         self._bwd_callback_queued = False
         self._fresh_forward = False  # a forward ran since the last backward began
         self._opt_pins: dict[int, tuple[list[Unit], bool]] = {}  # optimizer -> units, grads
