@@ -1,4 +1,5 @@
-"""Tensor and storage internals: a storage's identity and a tensor's version counter."""
+"""Tensor and storage internals: a storage's identity, a tensor's version counter, and the
+per-tensor norms torch.nn.utils.clip_grad_norm_ takes."""
 
 from __future__ import annotations
 
@@ -15,3 +16,15 @@ def storage_key(storage: torch.UntypedStorage) -> int:
 def version(t: torch.Tensor) -> int:
     """The tensor's in-place version counter (autograd's check that saved tensors are unchanged)."""
     return t._version
+
+
+def grad_norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each tensor's ``norm_type`` norm, computed as ``torch.nn.utils.get_total_norm`` does
+    (``_foreach_norm`` where foreach is supported), so a total taken from them is bit-equal.
+    The tensors must share one device and dtype."""
+    if not grads:
+        return []
+    device = grads[0].device
+    if device.type in ("cpu", "cuda") and all(type(g) is torch.Tensor for g in grads):
+        return list(torch._foreach_norm(grads, norm_type))
+    return [torch.linalg.vector_norm(g, norm_type) for g in grads]

@@ -113,6 +113,16 @@ class GradPager:
             for p, seg, h in zip(self._grad_params(u), g.segments, self.has[u.id]):
                 p.grad = seg.param.data if h else None
 
+    def put_back(self, units: list[Unit]) -> None:
+        """Undoes ``bring_in`` without using the gradients up: they stay stored on NVMe."""
+        for u in units:
+            g = self.buffers.get(u.id)
+            if g is None:
+                continue
+            for p in self._grad_params(u):
+                p.grad = None
+            g.free(self.pool)
+
     def merge(self, u: Unit) -> None:
         """For a step during the last micro-batch's backward: adds what earlier micro-batches
         stored to the unit's fresh gradients (``stored + new``, as ``page_out``), in memory;

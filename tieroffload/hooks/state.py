@@ -61,6 +61,7 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks):
         self.swap: SwapSpace | None = None
         self.grads: GradPager | None = None
         self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # paged ones, closed with us
+        self.pending_opts: set[Any] = set()  # paged ones with deferred updates: kept alive
         self.engine = None
         self.mover: Mover | None = None
         self.scheduler: Scheduler | None = None
@@ -205,6 +206,7 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks):
             self.settle()
         for opt in list(self.optimizers):
             opt.close()
+        self.pending_opts.clear()
         if restore and self.mover is not None:
             self.scheduler.acquire(self.units, force=True, record=False)
         for h in self._handles:

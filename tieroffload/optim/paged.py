@@ -21,11 +21,13 @@ from torch import nn
 
 from ..aio.pages import PagePool
 from ..aio.swap import SwapSpace, stable_tag
+from ..compat.tensors import grad_norms
 from ..core.homes import NvmeHome
 from ..core.mover import NBUF, Mover, Ticket, timed_wait
 from ..core.units import State, Unit
 from ..hooks.state import OffloadState, _state
 from ..utils.dist import world_size
+from .clip import install_accelerate
 from .loss_scale import LossScale
 
 CHUNK_BYTES = 16 << 20  # parameters per chunk, at least one unit
@@ -130,6 +132,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._stepped: set[int] = set()  # overlap="backward": chunks stepped this backward
         self._pending: dict[int, list[torch.Tensor | None] | None] = {}  # chunk -> its grads
         self._pending_scale: float | None = None
+        self._clips: list[torch.Tensor] = []  # clip_grad_norm_ factors of paged gradients
+        self._pending_clips: list[torch.Tensor] = []  # those of the deferred updates
         self._settling = False
         self._resume = False  # a step failed part way: its other chunks wait in _pending
         self._unit_chunk = {u.id: i for i, c in enumerate(self.chunks) for u in c.units}
@@ -141,6 +145,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 raise
         _live.add(self)
         self.offload.optimizers.add(self)
+        if self.offload.grads is not None:
+            install_accelerate()
 
     def _state_bytes(self, chunk: _Chunk) -> int:
         """Bytes of the chunk's state once stepped: two fp32 slots per element (Adam's moments;
@@ -169,6 +175,7 @@ class PagedOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Deletes the swap space this optimizer made (the state in it is lost)."""
         self._drain()
+        self.offload.pending_opts.discard(self)
         for thing in self._owned:
             thing.close()
         self._owned.clear()
@@ -353,7 +360,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._ready.clear()
             for i in todo:
                 self._sync_groups(chunks[i])
-            self._run(todo, None)
+            self._run(todo, None, [])
             return loss
         for chunk in chunks:  # the hyperparameters (a scheduler's lr) of this step
             self._sync_groups(chunk)
@@ -363,6 +370,9 @@ class PagedOptimizer(torch.optim.Optimizer):
             for shard in self.offload.shards:
                 shard.clear_grad(set_to_none=True)  # taken with the locals' gradients
             self._pending_scale = scale
+            self._pending_clips, self._clips = self._clips, []
+            if self._pending:  # held until applied, even if the caller drops this optimizer
+                self.offload.pending_opts.add(self)
             # The first update waits for nothing: its state and gradients come in now, while
             # the caller gets the next batch.
             if self._pending:
@@ -371,7 +381,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 if self.offload.grads is not None:
                     self.offload.grads.start_bring_in(first.units)
         else:
-            self._run(list(range(len(chunks))), scale)
+            clips, self._clips = self._clips, []
+            self._run(list(range(len(chunks))), scale, clips)
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         return loss
@@ -404,7 +415,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._sync_groups(chunk)
         with torch.no_grad():
             self._state_in(chunk)
-            self._step_chunk(chunk, None)  # the step hooks bring the parameters in and out
+            self._step_chunk(chunk, None, [])  # the step hooks bring the parameters in and out
             for p in chunk.params:
                 p.grad = None
             self._consume_grads(chunk)
@@ -461,20 +472,22 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._settling = True
         try:
             with torch.no_grad():  # called from forward hooks too
-                self._run(todo, self._pending_scale)
+                self._run(todo, self._pending_scale, self._pending_clips)
         finally:
             self._settling = False
+        if not self._pending:
+            self.offload.pending_opts.discard(self)
 
-    def _run(self, todo: list[int], scale: float | None) -> None:
-        """Updates chunks ``todo`` in order, pipelined: chunk i+1's state, gradients and
-        parameters come in while chunk i is updated, and chunk i-1's state goes out. After the
-        last, the next deferred chunk's state starts coming in."""
+    def _run(self, todo: list[int], scale: float | None, clips: list[torch.Tensor]) -> None:
+        """Updates chunks ``todo`` in order (gradients times ``clips``), pipelined: chunk i+1's
+        state, gradients and parameters come in while chunk i is updated, and chunk i-1's state
+        goes out. After the last, the next deferred chunk's state starts coming in."""
         chunks = self.chunks
         sched = self.offload.scheduler if self.offload.mover is not None else None
         done = 0
         try:
             for k in range(len(todo)):
-                self._run_chunk(todo, k, sched, scale)
+                self._run_chunk(todo, k, sched, scale, clips)
                 done += 1  # updated: a failure from here on must not update it again
                 self._consume_grads(chunks[todo[k]])
                 self._page_out(chunks[todo[k]])
@@ -486,6 +499,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                     self._pending[i] = self._take_grads(chunks[i])
                     self._resume = True
             self._pending_scale = scale
+            self._pending_clips = clips
             raise
         if not self._pending:  # the step is done: nothing more to overlap its stores with
             self._drain()
@@ -493,7 +507,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             if self.offload.grads is not None:
                 self.offload.grads.pool.clear()
 
-    def _run_chunk(self, todo: list[int], k: int, sched: Any, scale: float | None) -> None:
+    def _run_chunk(self, todo: list[int], k: int, sched: Any, scale: float | None,
+                   clips: list[torch.Tensor]) -> None:
         """Updates chunk ``todo[k]`` (see ``_run``): its state, gradients and parameters in,
         the next chunk's on their way."""
         chunks = self.chunks
@@ -519,7 +534,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                     p.grad = g
             if self.offload.grads is not None:
                 self.offload.grads.bring_in(chunk.units)
-            self._step_chunk(chunk, scale)
+            self._step_chunk(chunk, scale, clips)
             if grads is not None:  # used up: the user's zero_grad may already have run
                 for p in chunk.params:
                     p.grad = None
@@ -527,9 +542,13 @@ class PagedOptimizer(torch.optim.Optimizer):
             if sched is not None:
                 sched.release(chunk.units)
 
-    def _step_chunk(self, chunk: _Chunk, scale: float | None) -> None:
+    def _step_chunk(self, chunk: _Chunk, scale: float | None,
+                    clips: list[torch.Tensor]) -> None:
         for i, p in enumerate(chunk.params):
             g = p.grad
+            for c in clips:  # clip_grad_norm_ of gradients that were on NVMe
+                if g is not None:
+                    g.mul_(c.to(g.device))
             q = chunk.masters.get(i)
             if q is not None:
                 q.grad = None if g is None else g.float()
@@ -556,6 +575,85 @@ class PagedOptimizer(torch.optim.Optimizer):
         return any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
                    for c in self.chunks for p in c.params)
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters, gradients
+        paged to NVMe included: returns the total norm (torch's formula, over unscaled
+        gradients) and scales the gradients by ``min(1, max_norm / (norm + 1e-6))``, resident
+        ones now, paged ones in the step."""
+        return self.clip_params([p for g in self.param_groups for p in g["params"]], max_norm,
+                                norm_type, error_if_nonfinite)
+
+    def owns(self, params: list[torch.Tensor]) -> bool:
+        """True when every one of ``params`` is stepped by this optimizer."""
+        mine = {id(p) for c in self.chunks for p in c.params}
+        return all(id(p) in mine for p in params)
+
+    def clip_params(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
+                    error_if_nonfinite: bool) -> torch.Tensor:
+        """``clip_grad_norm_`` over ``params``, in their order (see ``clip_grad_norm_``)."""
+        if self.overlap == "backward":
+            raise RuntimeError('tieroffload: overlap="backward" steps each chunk during backward, '
+                               "before clip_grad_norm_ could run; use overlap=True to clip")
+        norm_type = float(norm_type)
+        pager = self.offload.grads
+        norms: dict[int, tuple[torch.Tensor, torch.device, torch.dtype]] = {}
+        wanted = {id(p) for p in params}
+        seen: set[int] = set()
+        for chunk in self.chunks:
+            ps = [p for p in chunk.params if id(p) in wanted]
+            if not ps:
+                continue
+            if pager is not None:
+                pager.bring_in(chunk.units)
+            try:
+                self._norms(ps, norm_type, norms, self._clips if pager is not None else [])
+            finally:
+                if pager is not None:
+                    pager.put_back(chunk.units)
+            seen.update(id(p) for p in ps)
+        self._norms([p for p in params if id(p) not in seen], norm_type, norms, [])
+        present = [p for p in params if id(p) in norms]
+        if not present:
+            return torch.tensor(0.0)
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in present:  # torch's order: by (device, dtype) of first appearance
+            n, device, dtype = norms[id(p)]
+            groups.setdefault((device, dtype), []).append(n)
+        first = norms[id(present[0])][1]
+        total = torch.linalg.vector_norm(
+            torch.stack([n.to(first) for ns in groups.values() for n in ns]), norm_type)
+        if self.scaler is not None:  # the gradients are scaled (by a power of two)
+            total = total / self.scaler.scale
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
+                               "`parameters` is non-finite, so it cannot be clipped")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        resident = [p for p in present if pager is None or id(p) not in seen]
+        for p in resident:
+            p.grad.mul_(coef.to(p.grad.device))
+        if len(resident) < len(present):
+            self._clips.append(coef)
+        return total
+
+    @staticmethod
+    def _norms(params: list[torch.Tensor], norm_type: float,
+               out: dict[int, tuple[torch.Tensor, torch.device, torch.dtype]],
+               clips: list[torch.Tensor]) -> None:
+        """Adds the norm of each parameter's gradient (times ``clips`` not yet applied)."""
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            for c in clips:
+                g.mul_(c.to(g.device))  # a copy brought in from NVMe: not written back
+            groups.setdefault((g.device, g.dtype), []).append(p)
+        for (device, dtype), ps in groups.items():
+            for p, n in zip(ps, grad_norms([p.grad for p in ps], norm_type)):
+                out[id(p)] = (n, device, dtype)
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (fp16); backward that, then ``step()`` unscales."""
         return loss if self.scaler is None else loss * self.scaler.scale
@@ -570,6 +668,7 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._backwards = 0  # what was accumulated is gone
+        self._clips = []
         self._ready.clear()
         if self.offload.grads is not None:  # deferred updates keep the gradients they took
             self.offload.grads.clear([u for c in self.chunks for u in c.units],

@@ -1,0 +1,37 @@
+"""accelerate's ``Accelerator.clip_grad_norm_`` (which the HF Trainer calls) takes the norm of
+``p.grad`` where it is not None: gradients paged to NVMe are routed to tieroffload first."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import torch
+
+Clip = Callable[[list[torch.Tensor], float, float], torch.Tensor]
+
+
+def route_clip(takes: Callable[[list[torch.Tensor]], bool], clip: Clip) -> None:
+    """Wraps ``Accelerator.clip_grad_norm_`` (once; nothing if accelerate is not installed):
+    parameters that ``takes`` are clipped by ``clip(params, max_norm, norm_type)``."""
+    if importlib.util.find_spec("accelerate") is None:
+        return
+    from accelerate import Accelerator
+
+    orig = Accelerator.clip_grad_norm_
+    if getattr(orig, "_tieroffload", False):
+        return
+
+    @functools.wraps(orig)
+    def clip_grad_norm_(self: Any, parameters: Iterable[torch.Tensor], max_norm: float,
+                        norm_type: float = 2) -> Any:
+        params = list(parameters)
+        if not takes(params):
+            return orig(self, params, max_norm, norm_type)
+        self.unscale_gradients()
+        return clip(params, max_norm, norm_type)
+
+    clip_grad_norm_._tieroffload = True
+    Accelerator.clip_grad_norm_ = clip_grad_norm_
