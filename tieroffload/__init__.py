@@ -4,11 +4,19 @@ from . import aio
 from ._version import __version__
 from .aio.config import IOConfig
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .hooks import close, drop_stored_grads, load_weights, materialize, offload, stats
+from .hooks import (
+    close,
+    drop_stored_grads,
+    from_pretrained,
+    load_weights,
+    materialize,
+    offload,
+    stats,
+)
 from .optim import optimizer
 from .planner import AutoBatch
 from .policy import Policy
 
 __all__ = ["AutoBatch", "CheckpointError", "IOConfig", "Policy", "__version__", "aio", "close",
-           "drop_stored_grads", "load_checkpoint", "load_weights", "materialize", "offload",
-           "optimizer", "save_checkpoint", "stats"]
+           "drop_stored_grads", "from_pretrained", "load_checkpoint", "load_weights",
+           "materialize", "offload", "optimizer", "save_checkpoint", "stats"]

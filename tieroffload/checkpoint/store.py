@@ -357,6 +357,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
                     with state.resident([u], writeback=state.mover is not None):
                         for name, p in zip(u.names, u.params):
                             fill(p.data, f"param/{name}")
+                        state.mark_loaded(u.params)
             else:
                 for name, p in model.named_parameters():
                     fill(p.data, f"param/{name}")

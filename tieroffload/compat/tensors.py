@@ -1,7 +1,10 @@
-"""Tensor and storage internals: a storage's identity, a tensor's version counter, and the
-per-tensor norms torch.nn.utils.clip_grad_norm_ takes."""
+"""Tensor and storage internals: a storage's identity, a tensor's version counter, the
+per-tensor norms torch.nn.utils.clip_grad_norm_ takes, and switching a tensor subclass's
+``__torch_function__`` off."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -16,6 +19,12 @@ def storage_key(storage: torch.UntypedStorage) -> int:
 def version(t: torch.Tensor) -> int:
     """The tensor's in-place version counter (autograd's check that saved tensors are unchanged)."""
     return t._version
+
+
+def plain_tensors() -> contextlib.AbstractContextManager:
+    """Inside, tensor subclasses dispatch as plain tensors (their ``__torch_function__`` is
+    not called) and results are plain tensors."""
+    return torch._C.DisableTorchFunctionSubclass()
 
 
 def grad_norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:

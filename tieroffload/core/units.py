@@ -17,6 +17,7 @@ import torch
 
 from ..aio.buffers import aligned_empty
 from ..aio.pages import PAGE, PagePool, discard, renew
+from ..compat.tensors import plain_tensors
 
 if TYPE_CHECKING:
     from .homes import Home
@@ -41,7 +42,8 @@ class Segment:
     end: int
 
     def view(self) -> torch.Tensor:
-        p = self.param.data
+        with plain_tensors():  # the engine's access: no guard
+            p = self.param.data
         flat = p.view(-1).view(torch.uint8)
         if flat.numel() == self.end - self.start:
             return flat
@@ -88,6 +90,17 @@ class Unit:
     def reading(self) -> bool:
         """Its read has started and not yet arrived."""
         return self.state is State.FETCHING and self.ticket is not None and not self.ticket.done()
+
+    def wants_touch(self) -> bool:
+        """An operation outside the hooks must bring it in first: it is not held resident."""
+        return self.pins == 0 or self.state is not State.RESIDENT
+
+    def storage_ptrs(self) -> set[int]:
+        """The addresses of the storages its parameters view (one, where flat)."""
+        if self.flat is not None:
+            return {self.flat.untyped_storage().data_ptr()}
+        with plain_tensors():
+            return {s.param.untyped_storage().data_ptr() for s in self.segments}
 
     def adopt_flat(self, align: int) -> None:
         """CPU compute with an NVMe home: the parameters become views of one page-aligned

@@ -30,6 +30,7 @@ class PassHooks:
             # always_call: released even when the forward raises (or stops early, as
             # non-reentrant checkpointing's recomputation does).
             h.append(module.register_forward_hook(self._post_forward(units), always_call=True))
+            h.append(module.register_state_dict_pre_hook(self._quiet_begin))
             h.append(module.register_state_dict_post_hook(self._state_dict_post()))
             h.append(module.register_load_state_dict_pre_hook(self._load_pre(units)))
             h.append(module.register_load_state_dict_post_hook(self._load_post(units)))
@@ -45,6 +46,7 @@ class PassHooks:
         for module in owners:  # the modules that hold the DTensors: their state dicts
             units = list(dict.fromkeys(self.param_unit[id(p)] for p in module._parameters.values()
                                        if p is not None and id(p) in self.param_unit))
+            h.append(module.register_state_dict_pre_hook(self._quiet_begin))
             h.append(module.register_state_dict_post_hook(self._state_dict_post()))
             h.append(module.register_load_state_dict_pre_hook(self._load_pre(units)))
             h.append(module.register_load_state_dict_post_hook(self._load_post(units)))
@@ -57,6 +59,7 @@ class PassHooks:
                 self._deferred.clear()
                 self._release_bwd_pins()
             self._release_fwd_pins()  # left by a forward that raised past its hooks
+            self.release_touched()
             if torch.is_grad_enabled():
                 self._fresh_forward = True
                 for opt in list(self.optimizers):
@@ -77,6 +80,7 @@ class PassHooks:
 
     def _acquire(self, units: list[Unit]) -> None:
         """Brings ``units`` in for compute, after any deferred optimizer update of theirs."""
+        self.check_loaded(units)
         self.settle(units)
         self.scheduler.acquire(units)
         self._lend_core()

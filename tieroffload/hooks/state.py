@@ -31,6 +31,7 @@ from ..utils.sizes import format_bytes
 from .activations import ActivationPager
 from .build import UnitBuilder
 from .grads import GradPager
+from .guards import Guards, check_not_dispatched
 from .passes import PassHooks
 from .policy import BasePolicy
 from .state_dict import StateDictHooks
@@ -39,7 +40,7 @@ from .steps import StepHooks, live
 log = logging.getLogger("tieroffload")
 
 
-class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks):
+class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
     """Everything tieroffload keeps for one wrapped model."""
 
     def __init__(self, model: nn.Module, policy: BasePolicy,
@@ -52,6 +53,8 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks):
         self._handles: list[Any] = []
         self._bwd_pins: dict[int, int] = {}
         self._fwd_pins: dict[int, int] = {}  # unit id -> forwards that acquired, not released
+        self._touched: list[Unit] = []  # held for views taken outside the hooks (guards)
+        self._quiet = 0  # inside state_dict(), whose hooks hand out the true values
         self._bwd_callback_queued = False
         self._fresh_forward = False  # a forward ran since the last backward began
         self._opt_pins: dict[int, tuple[list[Unit], bool]] = {}  # optimizer -> units, grads
@@ -103,6 +106,7 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks):
             if self.offloaded and largest is not None:
                 self._setup_tiers(largest, io_delay)
                 self._install_hooks(model)
+                self._install_guards(model)
             if policy.activations is not None:
                 self._setup_activations(model, io_delay)
         except BaseException:
@@ -247,6 +251,7 @@ def offload(model: nn.Module, policy: BasePolicy | None = None, *,
     back ahead of use. Changes the model in place and returns it."""
     if getattr(model, "_tieroffload", None) is not None:
         raise ValueError("model is already offloaded; tieroffload.close(model) first")
+    check_not_dispatched(model)
     state = OffloadState(model, policy or BasePolicy(), _io_delay)
     model._tieroffload = state
     return model
@@ -281,6 +286,7 @@ def materialize(model: nn.Module, writeback: bool = False) -> Iterator[nn.Module
     """Makes every parameter resident inside the block, so that its values can be read (or,
     with ``writeback=True``, changed) directly."""
     s = _state(model)
+    s.check_loaded(s.units)
     with s.resident(s.units, writeback=writeback):
         yield model
 

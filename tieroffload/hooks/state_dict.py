@@ -33,6 +33,7 @@ class StateDictHooks:
                 with self.resident([u]):
                     for key, p in entries:
                         sd[key] = p.detach().clone()
+            self._quiet = max(self._quiet - 1, 0)  # see Guards._quiet_begin
         return hook
 
     def _load_pre(self, units: list[Unit]) -> Callable:
@@ -43,7 +44,9 @@ class StateDictHooks:
 
     def _load_post(self, units: list[Unit]) -> Callable:
         def hook(module: nn.Module, incompatible: Any) -> None:
+            missing = set(incompatible.missing_keys)
             for u in units:
+                self.mark_loaded([p for n, p in zip(u.names, u.params) if n not in missing])
                 self.scheduler.flush(u)
             self.scheduler.release(units)
             self.scheduler.trim()

@@ -1,43 +1,169 @@
-"""Streaming weights into an offloaded model, one unit at a time."""
+"""Streaming weights into an offloaded model, one shard and one unit at a time."""
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from .state import _state
+from ..compat.tensors import version
+from .state import OffloadState, _state
+
+Source = str | os.PathLike | dict[str, torch.Tensor] | Sequence[str | os.PathLike]
 
 
-def load_weights(model: nn.Module, source: str | os.PathLike | dict[str, torch.Tensor],
-                 strict: bool = True) -> None:
-    """Loads weights from a safetensors file or a state dict, streamed one unit at a time into
-    its tier, so a model larger than RAM can be filled."""
+def shard_files(source: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    """The safetensors files of ``source``: a file, a directory (its
+    ``*.safetensors.index.json`` when it has one, else every ``*.safetensors`` in it), an
+    index file (the shards its ``weight_map`` names) or a list of files."""
+    if not isinstance(source, (str, os.PathLike)):
+        files = [Path(f) for f in source]
+        if not files:
+            raise ValueError("load_weights: the list of safetensors files is empty")
+        return files
+    path = Path(source)
+    if path.is_dir():
+        index = sorted(path.glob("*.safetensors.index.json"))
+        if len(index) > 1:
+            raise ValueError(f"load_weights: {path} has {len(index)} index files "
+                             f"({', '.join(i.name for i in index)}); pass the one to load")
+        if index:
+            return shard_files(index[0])
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"load_weights: {path} holds no *.safetensors file")
+        return files
+    if path.suffix == ".json":
+        with open(path) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"load_weights: {path} has no weight_map")
+        return [path.parent / name for name in dict.fromkeys(weight_map.values())]
+    return [path]
+
+
+def load_weights(model: nn.Module, source: Source, strict: bool = True) -> None:
+    """Loads weights from safetensors (a file, a sharded directory, its index, or a list of
+    shards) or a state dict, streamed one shard and one unit at a time into the tiers, so a
+    model larger than RAM can be filled. A tied parameter loads under any of its names.
+    Non-persistent buffers of a model built on the meta device are computed (a Hugging Face
+    model's ``_init_weights``: rotary frequencies, position ids)."""
     s = _state(model)
+    names = _aliases(model)
     if isinstance(source, dict):
-        keys = set(source)
-        get = source.__getitem__
-        ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+        plan = [(None, set(source))]
     else:
         from safetensors import safe_open
 
-        ctx = safe_open(os.fspath(source), framework="pt", device="cpu")
-    with ctx as f:
-        if f is not None:
-            keys, get = set(f.keys()), f.get_tensor
-        missing = [n for u in s.units for n in u.names if n not in keys]
-        if strict and missing:
-            raise KeyError(f"weights are missing {len(missing)} parameters: {missing[:5]}...")
-        for u in s.units:
-            todo = [(n, seg.param) for n, seg in zip(u.names, u.segments) if n in keys]
-            if not todo:
+        plan = []
+        seen: dict[str, Path] = {}
+        for f in shard_files(source):
+            with safe_open(os.fspath(f), framework="pt", device="cpu") as h:
+                keys = set(h.keys())
+            for k in keys & seen.keys():
+                raise ValueError(f"load_weights: {k!r} is in both {seen[k]} and {f}")
+            seen.update(dict.fromkeys(keys, f))
+            plan.append((f, keys))
+    every = set().union(*(k for _, k in plan))
+    missing = [n for u in s.units for n, p in zip(u.names, u.params)
+               if not names.get(id(p), {n}) & every]
+    if strict and missing:
+        raise KeyError(f"weights are missing {len(missing)} parameters: {missing[:5]}")
+    for f, keys in plan:
+        if f is None:
+            _load_from(s, names, keys, source.__getitem__)
+            continue
+        with safe_open(os.fspath(f), framework="pt", device="cpu") as h:  # one shard at a time
+            _load_from(s, names, keys, h.get_tensor)
+    _meta_buffers(model, s.device, plan, source if isinstance(source, dict) else None)
+
+
+def _aliases(model: nn.Module) -> dict[int, set[str]]:
+    """Every name of each parameter (tied ones have several)."""
+    names: dict[int, set[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), set()).add(n)
+    return names
+
+
+def _load_from(s: OffloadState, names: dict[int, set[str]], keys: set[str],
+               get: Callable[[str], torch.Tensor]) -> None:
+    for u in s.units:
+        todo = [(min(found), p) for n, p in zip(u.names, u.params)
+                if (found := names.get(id(p), {n}) & keys)]
+        if not todo:
+            continue
+        with s.resident([u], writeback=s.mover is not None), torch.no_grad():
+            for name, p in todo:
+                t = get(name)
+                if t.shape != p.shape:
+                    raise ValueError(f"{name}: weights have shape {tuple(t.shape)}, the "
+                                     f"model {tuple(p.shape)}")
+                p.copy_(t)
+            s.mark_loaded([p for _, p in todo])
+
+
+def _meta_buffers(model: nn.Module, device: torch.device, plan: list[tuple[Path | None, set[str]]],
+                  state_dict: dict[str, torch.Tensor] | None) -> None:
+    """Gives the buffers still on the meta device their values: from the weights where they
+    are there, else computed by a Hugging Face model's ``_init_weights``; raises naming one
+    that is neither."""
+    todo: dict[nn.Module, list[str]] = {}
+    for mname, module in model.named_modules():
+        for k, b in module._buffers.items():
+            if b is None or b.device.type != "meta":
                 continue
-            with s.resident([u], writeback=s.mover is not None), torch.no_grad():
-                for name, p in todo:
-                    t = get(name)
-                    if t.shape != p.shape:
-                        raise ValueError(f"{name}: weights have shape {tuple(t.shape)}, the "
-                                         f"model {tuple(p.shape)}")
-                    p.copy_(t)
+            name = f"{mname}.{k}" if mname else k
+            where = next((f for f, keys in plan if name in keys), False)
+            if where is False:
+                todo.setdefault(module, []).append(k)
+                continue
+            t = torch.empty_like(b, device=device)
+            if where is None:
+                t.copy_(state_dict[name])
+            else:
+                from safetensors import safe_open
+
+                with safe_open(os.fspath(where), framework="pt", device="cpu") as h:
+                    t.copy_(h.get_tensor(name))
+            module._buffers[k] = t
+    init = getattr(model, "_init_weights", None)
+    for module, ks in todo.items():
+        if callable(init):
+            _init_buffers(init, module, ks, device)
+    meta = [f"{m}.{k}" if m else k for m, mod in model.named_modules()
+            for k, b in mod._buffers.items() if b is not None and b.device.type == "meta"]
+    if meta:
+        raise ValueError(f"load_weights: buffer {meta[0]!r} ({len(meta)} in all) is on the meta "
+                         "device, not in the weights and not computed by the model's "
+                         "_init_weights; fill it before use")
+
+
+def _init_buffers(init: Callable[[nn.Module], None], module: nn.Module, ks: list[str],
+                  device: torch.device) -> None:
+    """Runs ``init`` on ``module`` with throwaway copies of its own parameters (their values
+    are loaded, not initialised); keeps the buffers ``ks`` it wrote or replaced, and puts the
+    others back on the meta device."""
+    own = dict(module._parameters)
+    metas = {k: module._buffers[k] for k in ks}
+    fresh = {k: torch.empty_like(b, device=device) for k, b in metas.items()}
+    versions = {k: version(t) for k, t in fresh.items()}
+    module._buffers.update(fresh)
+    try:
+        for k, p in own.items():
+            if p is not None:
+                module._parameters[k] = nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device=device),
+                    requires_grad=p.requires_grad)
+        with torch.no_grad():
+            init(module)
+    finally:
+        module._parameters.update(own)
+        for k in ks:
+            b = module._buffers.get(k)
+            if b is fresh[k] and version(b) == versions[k]:
+                module._buffers[k] = metas[k]  # not computed

@@ -1,0 +1,227 @@
+"""What keeps an offloaded model from giving a silent wrong result.
+
+A parameter whose unit is away has no values in memory (its pages are discarded). Any torch
+operation on it outside tieroffload's own hooks (a weight read, ``nn.init``, ``p.data.normal_()``)
+brings its unit in first and holds it, marked changed, until the next forward begins: reads see
+the true values and writes reach its home. What cannot be made right is refused with an error
+that says what to do: a dtype or device conversion (``model.half()``), a module or parameter
+assigned into the model (``resize_token_embeddings``), ``copy.deepcopy``, compute on
+parameters built on the meta device and never loaded, and offloading a model that accelerate
+has dispatched."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
+
+from ..compat.tensors import plain_tensors
+from ..core.units import Unit
+from .steps import live
+
+if TYPE_CHECKING:
+    from .state import OffloadState
+
+
+def check_not_dispatched(model: nn.Module) -> None:
+    """Refuses a model that accelerate dispatched: its hooks swap the parameters in and out
+    behind tieroffload's back."""
+    hooked = next((n for n, m in model.named_modules() if hasattr(m, "_hf_hook")), None)
+    if hooked is not None or getattr(model, "hf_device_map", None):
+        where = f"module {hooked or '<root>'!r} has an accelerate hook" if hooked is not None \
+            else "it has an hf_device_map"
+        raise ValueError(
+            f"tieroffload.offload: model was dispatched by accelerate ({where}; cpu_offload, "
+            "disk_offload or device_map); remove_hook_from_module(model, recurse=True) and load "
+            "the weights, or offload the undispatched model")
+
+
+_COPY_ERROR = ("copy.deepcopy of a model under tieroffload.offload is not supported (its "
+               "pages, threads and swap file are not copied): deepcopy before offload, or "
+               "tieroffload.close(model) first")
+
+
+def _no_data(names: list[str], props: list[str]) -> set[Any]:
+    methods = {getattr(torch.Tensor, n) for n in names}
+    return methods | {getattr(getattr(torch.Tensor, n), a) for n in props
+                      for a in ("__get__", "__set__")}
+
+
+# Operations that read no values: they pass without bringing a unit in (the engine itself
+# calls some of them while a unit is away).
+_NO_DATA = _no_data(
+    ["size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset",
+     "is_contiguous", "is_floating_point", "is_complex", "untyped_storage", "data_ptr",
+     "register_hook", "register_post_accumulate_grad_hook", "requires_grad_", "__len__"],
+    ["grad", "requires_grad", "shape", "dtype", "device", "is_leaf", "grad_fn", "layout",
+     "ndim", "is_cuda", "is_meta", "_version"]) | {torch.Tensor.data.__set__}
+
+_owner_of: dict[int, tuple[Guards, Unit]] = {}  # id(parameter) -> its model's state, unit
+
+
+class OffloadedParameter(nn.Parameter):
+    """An offloaded model's parameter (``isinstance(p, nn.Parameter)`` holds). An operation on
+    it while its unit is not held brings the unit in for the operation (``Guards.touch``);
+    results are plain tensors, as a Parameter's are."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        away: list[tuple[Guards, Unit]] = []
+        if func not in _NO_DATA:
+            for a in (*args, *kwargs.values()):
+                for b in (a if isinstance(a, (list, tuple)) else (a,)):
+                    if type(b) is OffloadedParameter:
+                        entry = _owner_of.get(id(b))
+                        if entry is not None and entry[1].wants_touch() and entry not in away:
+                            away.append(entry)
+        for state, u in away:
+            state.touch(u)
+        try:
+            with plain_tensors():
+                out = func(*args, **kwargs)
+        except BaseException:
+            for state, u in away:
+                state.untouch(u, hold=False, wrote=False)
+            raise
+        if away:
+            held = _storages(out)
+            name = getattr(func, "__name__", "")
+            wrote = name.endswith("_") or name == "__setitem__" or "out" in kwargs
+            for state, u in away:
+                state.untouch(u, hold=bool(u.storage_ptrs() & held), wrote=wrote)
+        return out
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise TypeError(_COPY_ERROR)
+
+    def __repr__(self) -> str:  # as a plain Parameter's
+        with torch.no_grad():
+            return "Parameter containing:\n" + repr(self.detach().requires_grad_(
+                self.requires_grad))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("pickling a parameter of a model under tieroffload.offload: save "
+                        "model.state_dict() or tieroffload.save_checkpoint instead")
+
+
+def _storages(out: Any) -> set[int]:
+    """The storage addresses of the tensors in ``out`` (a view of a parameter shares its)."""
+    tensors = out if isinstance(out, (list, tuple)) else (out,)
+    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
+
+
+class Guards:
+    """The part of ``OffloadState`` that keeps reads right and refuses what would break the
+    offloaded model."""
+
+    def _install_guards(self, model: nn.Module) -> None:
+        self._module_ids = {id(m) for m in model.modules()}
+        for m in model.modules():
+            m._apply = self._guard_apply(m, m._apply)
+            self._undo.append(lambda m=m: m.__dict__.pop("_apply", None))
+        for u in self.units:
+            for p in u.params:
+                if type(p) is nn.Parameter:  # not FSDP's DTensors
+                    p.__class__ = OffloadedParameter
+                    _owner_of[id(p)] = (self, u)
+                    self._undo.append(lambda p=p: _unguard(p))
+
+    def touch(self, u: Unit) -> None:
+        """Brings ``u`` in for an operation outside the hooks (see ``untouch``)."""
+        if self._quiet:  # state_dict(): its hooks hand out the true values
+            return
+        self.check_loaded([u])
+        self.settle([u])
+        self.scheduler.acquire([u], force=True, record=False)
+
+    def untouch(self, u: Unit, hold: bool, wrote: bool) -> None:
+        """After the operation: a unit it wrote is changed (written home when evicted); one
+        whose storage the result views (``p.detach()``, ``p.data``) stays held, changed (a
+        write may come through the view), until the next forward begins."""
+        if self._quiet:
+            return
+        if hold:
+            self._touched.append(u)
+        else:
+            self.scheduler.release([u])
+        if hold or wrote:
+            u.dirty = True
+
+    def release_touched(self) -> None:
+        """Lets the units that views taken outside the hooks hold go (see ``untouch``)."""
+        units, self._touched = self._touched, []
+        self._quiet = 0  # a state_dict() that raised
+        self.scheduler.release(units)
+        self.scheduler.trim()
+
+    def _quiet_begin(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self._quiet += 1  # until the module's state-dict post hook
+
+    def _guard_apply(self, module: nn.Module, orig: Callable) -> Callable:
+        probes = {(p.dtype, p.device) for p in module.parameters()}
+
+        def _apply(fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            for dtype, device in probes:
+                t = fn(torch.empty(0, dtype=dtype, device=device))
+                if t.dtype != dtype or t.device != device:
+                    raise ValueError(
+                        f"tieroffload: converting an offloaded model ({dtype} on {device} -> "
+                        f"{t.dtype} on {t.device}, model.to/half/float) would leave its pages "
+                        "behind; convert before tieroffload.offload, or close(model) first")
+            return orig(fn, *args, **kwargs)
+        return _apply
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise TypeError(_COPY_ERROR)
+
+    def check_loaded(self, units: list[Unit]) -> None:
+        """Raises for a parameter of ``units`` built on the meta device and never loaded."""
+        if not self._uninitialized:
+            return
+        for u in units:
+            for n, p in zip(u.names, u.params):
+                if id(p) in self._uninitialized:
+                    raise RuntimeError(
+                        f"tieroffload: parameter {n!r} was built on the meta device and never "
+                        "loaded (tieroffload.load_weights or load_state_dict)")
+
+    def mark_loaded(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            self._uninitialized.discard(id(p))
+
+
+def _unguard(p: torch.Tensor) -> None:
+    p.__class__ = nn.Parameter
+    _owner_of.pop(id(p), None)
+
+
+def _owner(module: nn.Module) -> OffloadState | None:
+    return next((s for s in list(live) if id(module) in getattr(s, "_module_ids", ())), None)
+
+
+def _module_registered(module: nn.Module, name: str, sub: nn.Module | None) -> None:
+    s = _owner(module)
+    if s is not None and sub is not None and id(sub) not in s._module_ids:
+        raise ValueError(
+            f"tieroffload: module {name!r} assigned into an offloaded model (resize_token_"
+            "embeddings, a replaced layer): change modules before tieroffload.offload, or "
+            "close(model) first")
+
+
+def _param_registered(module: nn.Module, name: str, p: nn.Parameter | None) -> None:
+    s = _owner(module)
+    if s is not None and p is not None and id(p) not in s.param_unit:
+        raise ValueError(
+            f"tieroffload: parameter {name!r} assigned into an offloaded model: change "
+            "parameters before tieroffload.offload, or close(model) first")
+
+
+register_module_module_registration_hook(_module_registered)
+register_module_parameter_registration_hook(_param_registered)
