@@ -67,3 +67,87 @@ def test_gpu_paged_optimizer_state_on_gpu(tmp_path):
     x = torch.randn(4, 64, device="cuda")
     assert torch.equal(ref(x), model(x))
     tieroffload.close(model)
+
+
+# -- the host step: fp32 masters and AdamW state in RAM or on NVMe, compute on the GPU ---------
+
+HOST_PLACEMENTS = [(p, o) for p in ("gpu", "cpu", "nvme") for o in ("cpu", "nvme")]
+
+
+def host_policy(params, optim, tmp_path, ref, **kw):
+    if params != "gpu":  # a few units on the GPU at once: they really come and go
+        kw.setdefault("gpu_budget", 2 * max(p.numel() * p.element_size()
+                                            for p in ref.parameters()))
+    return Policy(params=params, optimizer=optim, grads="gpu", device="cuda",
+                  nvme_dir=str(tmp_path), **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("params,optim", HOST_PLACEMENTS)
+def test_host_step_equals_fused_adamw_over_host_masters(params, optim, dtype, tmp_path):
+    """Each placement against plain PyTorch on the GPU whose fp32 masters are stepped on the
+    host by AdamW(fused=True), with clipping: the same losses, norms and parameters."""
+    torch.manual_seed(0)
+    ref = TinyGPT().to("cuda", dtype)
+    model = copy.deepcopy(ref)
+    masters = [torch.nn.Parameter(p.detach().to("cpu", torch.float32, copy=True))
+               for p in ref.parameters()]
+    opt_ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, fused=True)
+    policy = host_policy(params, optim, tmp_path, ref)
+    tieroffload.offload(model, policy)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    for step in range(4):
+        x = torch.randint(0, 97, (2, 16), device="cuda",
+                          generator=torch.Generator("cuda").manual_seed(step))
+        loss_ref = ref(x).float().square().mean()
+        loss_ref.backward()
+        norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        for q, p in zip(masters, ref.parameters()):
+            q.grad = p.grad.float().cpu()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        with torch.no_grad():
+            for q, p in zip(masters, ref.parameters()):
+                p.copy_(q.to(dtype))
+        ref.zero_grad()
+        loss = model(x).float().square().mean()
+        loss.backward()
+        norm = opt.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+        assert loss.item() == loss_ref.item(), step
+        assert torch.equal(norm, norm_ref), step
+    st = tieroffload.stats(model)
+    assert st["pinned"] > 0  # the host step's buffers are page-locked
+    if params != "gpu":
+        assert st["peak_resident"] <= policy.gpu_budget
+    with tieroffload.materialize(model):
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert b.device.type == "cuda" and b.dtype == dtype and torch.equal(a, b)
+    opt.close()
+    tieroffload.close(model)
+
+
+def test_host_step_orders_copies_with_events_not_synchronisation(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = TinyGPT().cuda()
+    tieroffload.offload(model, host_policy("gpu", "cpu", tmp_path, model))
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    model(torch.randint(0, 97, (2, 16), device="cuda")).square().mean().backward()
+
+    def refuse(*a, **k):
+        raise AssertionError("the host step synchronised a stream or the device")
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", refuse)
+    opt.step()
+    monkeypatch.undo()
+    opt.close()
+    tieroffload.close(model)
+
+
+def test_host_step_refuses_gradients_off_the_gpu(tmp_path):
+    model = TinyGPT().cuda()
+    tieroffload.offload(model, Policy(params="gpu", optimizer="cpu", grads="cpu", device="cuda"))
+    with pytest.raises(ValueError, match='grads="gpu"'):
+        tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    tieroffload.close(model)

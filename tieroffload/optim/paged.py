@@ -22,6 +22,7 @@ from torch import nn
 from ..aio.pages import PagePool
 from ..aio.swap import SwapSpace, stable_tag
 from ..compat.tensors import grad_norms
+from ..core.devices import HostBuffers, Transfers
 from ..core.homes import NvmeHome
 from ..core.mover import NBUF, Mover, Ticket, timed_wait
 from ..core.units import State, Unit
@@ -49,7 +50,10 @@ class _Chunk:
                  masters: dict[int, nn.Parameter]) -> None:
         self.params = params
         self.units = units
-        self.masters = masters  # fp32 master copies of the fp16/bf16 parameters, by position
+        self.masters = masters  # fp32 host copies of the parameters that need one, by position
+        # Their gradients, copied to the host for the next update (None: not taken yet).
+        self.host_grads: dict[int, torch.Tensor] | None = None
+        self.grads_event: Any = None  # the last of those copies
         self.inner: Any = None
         self.group_of: list[int] = []  # outer group index of each inner group
         self.state_unit: Unit | None = None  # the chunk's state tensors, once they exist
@@ -72,17 +76,23 @@ class PagedOptimizer(torch.optim.Optimizer):
         self.offload: OffloadState = _state(model)
         policy = self.offload.policy
         self.tier = policy.optimizer
-        if self.tier != "gpu" and self.offload.device.type == "cuda":
-            raise NotImplementedError(
-                f'optimizer="{self.tier}" with CUDA compute needs an fp32 master copy on the '
-                'host, which tieroffload does not have yet; use optimizer="gpu"')
-        if self.tier == "gpu" and self.offload.device.type != "cuda":
+        device = self.offload.device
+        # The host step: CUDA compute, the state and fp32 masters in host RAM or on NVMe.
+        self.host_step = self.tier != "gpu" and device.type == "cuda"
+        if self.host_step and policy.grads != "gpu":
+            raise ValueError(
+                f'optimizer="{self.tier}" with CUDA compute takes the gradients from the GPU '
+                f'(copied to pinned host memory chunk by chunk at the step): use grads="gpu", '
+                f'not grads="{policy.grads}"')
+        if self.tier == "gpu" and device.type != "cuda":
             raise ValueError('optimizer="gpu" needs a CUDA compute device')
+        self.host = torch.device("cpu") if self.tier != "gpu" else device
+        self.xfer = Transfers(device)
         kwargs = dict(kwargs)
         if opt_cls in (torch.optim.Adam, torch.optim.AdamW) and not (
                 {"fused", "foreach", "differentiable"} & set(kwargs)):
             kwargs["fused"] = True
-        probe = opt_cls([nn.Parameter(torch.zeros(1, device=self.offload.device))], **kwargs)
+        probe = opt_cls([nn.Parameter(torch.zeros(1, device=self.host))], **kwargs)
         super().__init__(self._local_params(model, params), dict(probe.defaults))
         self.opt_cls, self.kwargs = opt_cls, kwargs
         self.swap: SwapSpace | None = None
@@ -93,16 +103,20 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._writing: list[_Chunk] = []  # chunks whose state is being written, oldest first
         if self.tier == "nvme":
             engine = self.offload.engine
-            if self.mover is None:  # the parameters are not offloaded: move state on our own
-                engine = policy.io.engine()
-                self.mover = Mover(self.offload.device, CHUNK_BYTES, NBUF, self.offload.stats,
+            if self.mover is None or self.host_step:
+                # Not offloaded, or a host state (its mover moves host memory): our own.
+                if engine is None:
+                    engine = policy.io.engine()
+                    self._owned.append(engine)
+                self.mover = Mover(self.host, CHUNK_BYTES, NBUF, self.offload.stats,
                                    checksum=policy.checksum)
-                self._owned += [engine, self.mover]
+                self._owned.append(self.mover)
             self.swap = self.offload.swap
             if self.swap is None:
                 self.swap = self._own_swap(model, engine)
                 self._owned.insert(0, self.swap)
         self.chunks = self._build_chunks()
+        self._host_buffers()
         fp16 = any(p.dtype == torch.float16 for c in self.chunks for p in c.params)
         if loss_scale == "auto":
             loss_scale = "dynamic" if fp16 else None
@@ -180,6 +194,9 @@ class PagedOptimizer(torch.optim.Optimizer):
             thing.close()
         self._owned.clear()
         self.pool.clear()
+        for bufs in (self.grad_bufs, self.copy_bufs):
+            if bufs is not None:
+                bufs.close()
         _live.discard(self)
 
     def _own_swap(self, model: nn.Module, engine: Any) -> SwapSpace:
@@ -211,10 +228,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         chunks = []
         for ps, us in zip(order, units):
             masters: dict[int, nn.Parameter] = {}
-            if any(p.dtype in LOW_PRECISION for p in ps):
+            if any(self._needs_master(p) for p in ps):
                 with self.offload.resident(us):
-                    masters = {i: nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
-                               for i, p in enumerate(ps) if p.dtype in LOW_PRECISION}
+                    masters = {i: nn.Parameter(p.detach().to(self.host, torch.float32, copy=True),
+                                               requires_grad=p.requires_grad)
+                               for i, p in enumerate(ps) if self._needs_master(p)}
             chunk = _Chunk(ps, us, masters)
             groups = []
             for gi, g in enumerate(self.param_groups):
@@ -229,6 +247,29 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._page_out(chunk)  # the master copies go to their tier at once
             self._wait(chunk)
         return chunks
+
+    def _needs_master(self, p: torch.Tensor) -> bool:
+        """An fp32 copy where the optimizer steps: for fp16/bf16 parameters, and for every
+        parameter the host steps for a device."""
+        return p.dtype in LOW_PRECISION or p.device != self.host
+
+    def _host_buffers(self) -> None:
+        """The host step's buffers, sized for the largest chunk: two of fp32 gradients (one
+        chunk's in use while the next one's arrive) and one of working copies on their way
+        back; pinned for CUDA."""
+        self.grad_bufs: HostBuffers | None = None
+        self.copy_bufs: HostBuffers | None = None
+        self._grad_slot = 0
+        self._back_event: Any = None
+        sized = [[c.params[i] for i in c.masters] for c in self.chunks if c.masters]
+        if not sized:
+            return
+        def span(ts: list[torch.Tensor], itemsize: int | None) -> int:
+            return sum(-(-t.numel() * (itemsize or t.element_size()) // 64) * 64 for t in ts)
+        pin = self.xfer.cuda
+        stats = self.offload.stats
+        self.grad_bufs = HostBuffers(max(span(ts, 4) for ts in sized), 2, pin, stats)
+        self.copy_bufs = HostBuffers(max(span(ts, None) for ts in sized), 1, pin, stats)
 
     # -- paging the state ----------------------------------------------------------------------
 
@@ -492,6 +533,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 self._consume_grads(chunks[todo[k]])
                 self._page_out(chunks[todo[k]])
         except BaseException:
+            for c in chunks:  # copies taken ahead: a retry takes them afresh
+                c.host_grads, c.grads_event = None, None
             # The chunks not updated wait in _pending with their gradients, so that retrying
             # the call that failed updates each of them once (and those done, not again).
             for i in todo[done:]:
@@ -520,6 +563,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         try:
             nxt = chunks[todo[k + 1]] if k + 1 < len(todo) else None
             ahead = nxt or next((chunks[j] for j in sorted(self._pending) if j > i), None)
+            if chunk.masters and chunk.host_grads is None and self.offload.grads is None:
+                self._grads_out(chunk, self._pending.get(i))  # before the next chunk's
             if ahead is not None:
                 # Earlier chunks' stores first: their pages go to the state read next.
                 self._drain()
@@ -528,6 +573,9 @@ class PagedOptimizer(torch.optim.Optimizer):
                     self.offload.grads.start_bring_in(ahead.units)
                 if sched is not None and nxt is not None:
                     sched.prefetch(nxt.units)
+                if nxt is not None and nxt.masters and self.offload.grads is None:
+                    # Its gradients leave the device while this chunk is updated.
+                    self._grads_out(nxt, self._pending.get(todo[k + 1]))
             grads = self._pending.pop(i, None)
             if grads is not None:
                 for p, g in zip(chunk.params, grads):
@@ -544,25 +592,57 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def _step_chunk(self, chunk: _Chunk, scale: float | None,
                     clips: list[torch.Tensor]) -> None:
-        for i, p in enumerate(chunk.params):
-            g = p.grad
+        for p in chunk.params:
             for c in clips:  # clip_grad_norm_ of gradients that were on NVMe
-                if g is not None:
-                    g.mul_(c.to(g.device))
+                if p.grad is not None:
+                    p.grad.mul_(c.to(p.grad.device))
+        if chunk.masters:
+            if chunk.host_grads is None:
+                self._grads_out(chunk, None)
+            self.xfer.wait(chunk.grads_event)
+        for i, p in enumerate(chunk.params):
             q = chunk.masters.get(i)
+            g = p.grad if q is None else chunk.host_grads.get(i)  # type: ignore[union-attr]
             if q is not None:
-                q.grad = None if g is None else g.float()
-                g = q.grad
+                q.grad = g
             if g is not None and scale is not None:
                 g.mul_(1.0 / scale)
+        chunk.host_grads, chunk.grads_event = None, None
         if not chunk.masters:
             chunk.inner.step()  # offload()'s step hooks bring the chunk's parameters in and out
             return
         with self.offload.resident(chunk.units, writeback=True):
             chunk.inner.step()
-            for i, q in chunk.masters.items():
-                chunk.params[i].copy_(q)
-                q.grad = None
+            self._masters_back(chunk)
+
+    def _grads_out(self, chunk: _Chunk, grads: list[torch.Tensor | None] | None) -> None:
+        """Starts copying the gradients of the chunk's master-backed parameters (``grads``, or
+        their ``p.grad``) to host fp32 buffers; ``_step_chunk`` waits for them."""
+        have = [(i, g) for i in chunk.masters
+                if (g := (grads[i] if grads is not None else chunk.params[i].grad)) is not None]
+        views = self.grad_bufs.views(self._grad_slot, [g for _, g in have], torch.float32)
+        self._grad_slot += 1
+        ev = None
+        for (_, g), v in zip(have, views):
+            ev = self.xfer.to_host(g, v)
+        chunk.host_grads = {i: v for (i, _), v in zip(have, views)}
+        chunk.grads_event = ev
+
+    def _masters_back(self, chunk: _Chunk) -> None:
+        """The updated masters, rounded to their parameters' dtype on the host, go back to
+        the parameters (on the side stream for CUDA; the compute stream waits for them)."""
+        self.xfer.wait(self._back_event)  # the buffer's last copies are done
+        idx = list(chunk.masters)
+        views = self.copy_bufs.views(0, [chunk.params[i] for i in idx])
+        ev = None
+        for i, v in zip(idx, views):
+            q = chunk.masters[i]
+            v.copy_(q)
+            ev = self.xfer.to_device(v, chunk.params[i])
+            q.grad = None
+        self._back_event = ev
+        if self.offload.mover is not None:  # the unit is written home next: values first
+            self.xfer.wait(ev)
 
     def _consume_grads(self, chunk: _Chunk) -> None:
         if self.offload.grads is not None:

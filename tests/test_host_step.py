@@ -1,0 +1,128 @@
+"""The host step (the paged optimizer stepping fp32 masters on the host for working copies
+elsewhere), run through its CPU device interface: bf16 working copies on the CPU, fp32 masters
+and AdamW state in RAM or on NVMe. Bit-identical to torch AdamW(fused=True) over fp32 masters,
+with gradient accumulation, clipping, an LR schedule, a checkpoint and an exact resume."""
+
+import copy
+
+import pytest
+import torch
+from models import TinyGPT
+from test_optimizer import CONFIGS, batch, policy, warmup
+
+import tieroffload
+from tieroffload.core.devices import HostBuffers, Transfers
+from tieroffload.core.stats import Stats
+
+ACCUM = 2
+CLIP = 0.05  # small enough that every step clips
+
+
+def test_cpu_transfers_copy_and_cast_in_order():
+    x = Transfers(torch.device("cpu"))
+    assert not x.cuda and x.stream is None
+    src = torch.randn(5, 3, dtype=torch.bfloat16)
+    dst = torch.empty(5, 3, dtype=torch.float32)
+    x.wait(x.to_host(src, dst))
+    assert torch.equal(dst, src.float())
+    back = torch.empty(5, 3, dtype=torch.bfloat16)
+    x.wait(x.to_device(dst.to(torch.bfloat16), back))
+    assert torch.equal(back, src)
+
+
+def test_host_buffers_lay_out_aligned_views_and_count_pinned_memory():
+    stats = Stats()
+    bufs = HostBuffers(1000, 2, pin=False, stats=stats)
+    like = [torch.empty(3, 5), torch.empty(7, dtype=torch.bfloat16)]
+    a = bufs.views(0, like)
+    b = bufs.views(1, like, torch.float32)
+    assert [t.shape for t in a] == [(3, 5), (7,)] and a[1].dtype == torch.bfloat16
+    assert b[1].dtype == torch.float32
+    assert all(t.data_ptr() % 64 == 0 for t in a + b)
+    assert a[0].data_ptr() != b[0].data_ptr()  # two slots
+    assert bufs.views(2, like)[0].data_ptr() == a[0].data_ptr()  # slot 2 is slot 0 again
+    assert stats.pinned == 0  # not pinned without CUDA
+    with pytest.raises(ValueError, match="cannot hold"):
+        bufs.views(0, [torch.empty(1000)])
+    bufs.close()
+
+
+def reference_step(ref, masters, opt_ref):
+    """fp32 masters stepped by torch AdamW(fused=True) with the bf16 gradients, clipped by
+    torch's clip_grad_norm_; the parameters get the masters rounded."""
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+    for q, p in zip(masters, ref.parameters()):
+        q.grad = p.grad.float()
+    opt_ref.step()
+    with torch.no_grad():
+        for q, p in zip(masters, ref.parameters()):
+            p.copy_(q)
+    ref.zero_grad()
+    opt_ref.zero_grad()
+    return norm
+
+
+def train(model, opt, sched, steps, clip):
+    losses, norms = [], []
+    for step in steps:
+        total = 0.0
+        for micro in range(ACCUM):
+            loss = model(batch(step, micro)).float().square().mean() / ACCUM
+            loss.backward()
+            total += loss.item()
+        norms.append(clip())
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(total)
+    return losses, norms
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_bf16_host_step_equals_fused_adamw_over_fp32_masters_through_resume(config, tmp_path):
+    torch.manual_seed(0)
+    ref = TinyGPT().to(torch.bfloat16)
+    init = copy.deepcopy(ref)
+    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    opt_ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, fused=True)
+    sched_ref = warmup(opt_ref)
+
+    def ref_clip():
+        return reference_step(ref, masters, opt_ref)
+
+    class RefOpt:  # the reference steps inside its clip: nothing more per step
+        step = zero_grad = staticmethod(lambda: None)
+
+    want, want_norms = train(ref, RefOpt, sched_ref, range(6), ref_clip)
+
+    (tmp_path / "a").mkdir()
+    model = tieroffload.offload(copy.deepcopy(init), policy(config, tmp_path / "a"))
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    assert opt.grad_bufs is not None  # the host-step pipeline runs
+    sched = warmup(opt)
+    got, norms = train(model, opt, sched, range(3), lambda: opt.clip_grad_norm_(CLIP))
+    ckpt = tmp_path / "ckpt"
+    tieroffload.save_checkpoint(ckpt, model, opt, extra={"sched": sched.state_dict()})
+    opt.close()
+    tieroffload.close(model)
+
+    (tmp_path / "b").mkdir()
+    torch.manual_seed(1)  # other values: everything comes from the checkpoint
+    model = tieroffload.offload(TinyGPT().to(torch.bfloat16), policy(config, tmp_path / "b"))
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    sched = warmup(opt)
+    sched.load_state_dict(tieroffload.load_checkpoint(ckpt, model, opt)["sched"])
+    more, more_norms = train(model, opt, sched, range(3, 6),
+                             lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+    assert got + more == want
+    assert all(torch.equal(a, b) for a, b in zip(norms + more_norms, want_norms))
+    assert all(n > CLIP for n in want_norms)  # every step clipped
+    with tieroffload.materialize(model):
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert b.dtype == torch.bfloat16 and torch.equal(a, b)
+    sd = opt.state_dict()
+    for i, q in enumerate(masters):
+        assert torch.equal(sd["state"][i]["master"], q)
+        assert torch.equal(sd["state"][i]["exp_avg_sq"], opt_ref.state[q]["exp_avg_sq"])
+    opt.close()
+    tieroffload.close(model)
