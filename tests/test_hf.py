@@ -739,3 +739,21 @@ def test_last_step_applied_after_the_paged_optimizer_is_dropped(tmp_path):
         for (n, a), b in zip(ref.named_parameters(), model.parameters()):
             assert torch.equal(a, b), n
     tieroffload.close(model)
+
+
+def test_save_pretrained_of_an_offloaded_model_equals_plain(tmp_path):
+    """The same files as the plain model's: tied weights saved once, every value true."""
+    from safetensors.torch import load_file
+
+    ref, model = pair(gpt2, tmp_path)
+    with torch.no_grad():
+        model(tokens(0))  # units have come and gone
+    model.save_pretrained(tmp_path / "off")
+    ref.save_pretrained(tmp_path / "ref")
+    got = load_file(tmp_path / "off" / "model.safetensors")
+    want = load_file(tmp_path / "ref" / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    sd = model.state_dict()
+    assert sd["lm_head.weight"] is sd["transformer.wte.weight"]  # tied, as plain PyTorch
+    tieroffload.close(model)

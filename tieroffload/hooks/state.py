@@ -55,6 +55,7 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
         self._fwd_pins: dict[int, int] = {}  # unit id -> forwards that acquired, not released
         self._touched: list[Unit] = []  # held for views taken outside the hooks (guards)
         self._quiet = 0  # inside state_dict(), whose hooks hand out the true values
+        self._copies: dict[int, tuple[str, Any]] = {}  # id(p) -> its last state-dict copy
         self._bwd_callback_queued = False
         self._fresh_forward = False  # a forward ran since the last backward began
         self._opt_pins: dict[int, tuple[list[Unit], bool]] = {}  # optimizer -> units, grads

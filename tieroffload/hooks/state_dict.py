@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -19,6 +20,13 @@ class StateDictHooks:
         parameter, else ``p`` itself."""
         return self._local.get(id(p), p)
 
+    def _tied_copy(self, sd: dict, p: torch.Tensor) -> torch.Tensor | None:
+        """The copy of ``p`` already in ``sd`` under another name (a tied parameter): handed
+        out once, so that ``save_pretrained`` sees the tie as plain PyTorch shows it."""
+        key, ref = self._copies.get(id(p), (None, None))
+        t = ref() if ref is not None else None
+        return t if t is not None and sd.get(key) is t else None
+
     def _state_dict_post(self) -> Callable:
         def hook(module: nn.Module, sd: dict, prefix: str, meta: Any) -> None:
             # The entries share storage that eviction frees: hand out copies of the values,
@@ -32,7 +40,9 @@ class StateDictHooks:
             for u, entries in todo.items():
                 with self.resident([u]):
                     for key, p in entries:
-                        sd[key] = p.detach().clone()
+                        t = self._tied_copy(sd, p)
+                        sd[key] = p.detach().clone() if t is None else t
+                        self._copies[id(p)] = (key, weakref.ref(sd[key]))
             self._quiet = max(self._quiet - 1, 0)  # see Guards._quiet_begin
         return hook
 
