@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from models import TinyGPT
-from test_optimizer import CONFIGS, batch, policy, warmup
+from test_optimizer import CONFIGS, batch, manual_master_step, policy, warmup
 
 import tieroffload
 from tieroffload.core.devices import HostBuffers, Transfers
@@ -51,14 +51,7 @@ def reference_step(ref, masters, opt_ref):
     """fp32 masters stepped by torch AdamW(fused=True) with the bf16 gradients, clipped by
     torch's clip_grad_norm_; the parameters get the masters rounded."""
     norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
-    for q, p in zip(masters, ref.parameters()):
-        q.grad = p.grad.float()
-    opt_ref.step()
-    with torch.no_grad():
-        for q, p in zip(masters, ref.parameters()):
-            p.copy_(q)
-    ref.zero_grad()
-    opt_ref.zero_grad()
+    manual_master_step(ref, masters, opt_ref, None)
     return norm
 
 

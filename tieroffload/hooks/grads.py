@@ -143,15 +143,11 @@ class GradPager:
 
     def consume(self, units: list[Unit]) -> None:
         """After the step: the gradients are used up."""
+        self.put_back(units)
         for u in units:
-            g = self.buffers.get(u.id)
-            if g is None:
-                continue
-            for p in self._grad_params(u):
-                p.grad = None
-            g.free(self.pool)
-            self.has[u.id] = [False] * len(self.has[u.id])
-            self.finite.pop(u.id, None)
+            if u.id in self.buffers:
+                self.has[u.id] = [False] * len(self.has[u.id])
+                self.finite.pop(u.id, None)
 
     def clear(self, units: list[Unit] | None = None, keep: list[Unit] = ()) -> None:
         """Forgets the stored gradients of ``units`` (all: None), except those of ``keep`` (a
