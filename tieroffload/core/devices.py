@@ -77,6 +77,10 @@ class HostBuffers:
     def total(self) -> int:
         return sum(b.numel() for b in self._bufs)
 
+    def held(self) -> list[tuple[int, int]]:
+        """The host ranges of its buffers."""
+        return [(b.data_ptr(), b.numel()) for b in self._bufs]
+
     def views(self, slot: int, like: list[torch.Tensor],
               dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """Tensors shaped as ``like`` (in ``dtype``, else each one's own) laid out in slot

@@ -88,6 +88,10 @@ class Mover:
         """Bytes of staging memory this mover holds at most."""
         return self.chunk * self.nbuf
 
+    def held(self) -> list[tuple[int, int]]:
+        """The host ranges of the staging buffers made so far (on CUDA, pinned ones)."""
+        return [(t.data_ptr(), t.numel()) for t in self._staging]
+
     def staging_for(self, k: int) -> torch.Tensor:
         slot = k % self.nbuf
         while len(self._staging) <= slot:

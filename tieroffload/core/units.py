@@ -102,6 +102,16 @@ class Unit:
         with plain_tensors():
             return {s.param.untyped_storage().data_ptr() for s in self.segments}
 
+    def held(self) -> tuple[list[tuple[int, int]], int]:
+        """Where its bytes lie in host memory: the range of its flat buffer, which we mapped
+        (how much of it is in RAM is the kernel's to say), else the bytes of host storage its
+        parameters have now (from malloc; 0 on a GPU or once freed)."""
+        if self.flat is not None:
+            return [(self.flat.data_ptr(), self.flat.numel())], 0
+        with plain_tensors():
+            return [], sum(s.param.untyped_storage().nbytes() for s in self.segments
+                           if s.param.device.type == "cpu")
+
     def adopt_flat(self, align: int) -> None:
         """CPU compute with an NVMe home: the parameters become views of one page-aligned
         buffer, which O_DIRECT fills and drains with no staging copy, and which is released

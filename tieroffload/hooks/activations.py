@@ -312,6 +312,23 @@ class ActivationPager:
                 self._free(r)
         self.retire()
 
+    def held(self) -> tuple[list[tuple[int, int]], int]:
+        """Host memory the records hold: the ranges of their aligned copies and of what was
+        read back (mapped by us), and the bytes of saved storages still waiting to be written
+        (from malloc, where they are on the CPU)."""
+        ranges, heap = [], 0
+        with self._lock:
+            for ref in self._order:
+                r = ref()
+                if r is None:
+                    continue
+                for st in (r.host.untyped_storage() if r.host is not None else None, r.restored):
+                    if st is not None and st.device.type == "cpu":
+                        ranges.append((st.data_ptr(), st.nbytes()))
+                if r.source is not None and r.source.device.type == "cpu":
+                    heap += r.source.nbytes()
+        return ranges, heap
+
     def _free(self, r: _Record) -> None:
         if r.offset is not None and self.swap is not None:
             self.swap.free(r.offset, r.padded)

@@ -203,6 +203,48 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
             self.scheduler.release(units)
             self.scheduler.trim()
 
+    def memory(self) -> dict[str, int]:
+        """This process's resident memory, every byte of it given to one holder: ``params``,
+        ``grads``, ``optimizer`` (state and masters), ``staging`` (the movers' and the host
+        step's buffers), ``parked`` (pages kept for the next unit) and ``activations`` (saved
+        tensors the activation pager holds on their way to its tier or back) are what
+        tieroffload holds, in RAM now by the kernel's count; ``tensors`` the rest of malloc's
+        memory in use (torch tensors such as the activations autograd keeps and temporaries,
+        Python's larger objects); ``heap_free`` what malloc keeps freed for reuse; ``files``
+        mapped code and files; ``other`` the remainder (thread stacks, Python's small-object
+        arenas; memory malloc handed out that nobody touched counts negative)."""
+        kinds = ("params", "grads", "optimizer", "staging", "parked", "activations")
+        ranges: dict[str, list[tuple[int, int]]] = {k: [] for k in kinds}
+        heap = dict.fromkeys(kinds, 0)
+
+        def add(kind: str, held: tuple[list[tuple[int, int]], int]) -> None:
+            ranges[kind] += held[0]
+            heap[kind] += held[1]
+
+        for u in self.units:
+            add("params", u.held())
+        if self.grads is not None:
+            for g in self.grads.buffers.values():
+                add("grads", g.held())
+            add("parked", (list(self.grads.pool.ranges), 0))
+        if self.scheduler is not None:
+            add("parked", (list(self.scheduler.pool.ranges), 0))
+        if self.mover is not None:
+            add("staging", (self.mover.held(), 0))
+        for opt in list(self.optimizers):
+            for kind, held in opt.held().items():
+                add(kind, held)
+        if self.activations is not None:
+            add("activations", self.activations.held())
+        out = {"rss": memory.rss()}
+        out.update({k: memory.resident_bytes(ranges[k]) + heap[k] for k in kinds})
+        in_use, free = memory.heap()
+        out["tensors"] = max(0, in_use - sum(heap.values()))
+        out["heap_free"] = free
+        out["files"] = memory.rss_parts()["files"]
+        out["other"] = out["rss"] - sum(v for k, v in out.items() if k != "rss")
+        return out
+
     def close(self, restore: bool = True) -> None:
         """Removes the hooks and the swap space. With ``restore`` the parameters are made
         resident first, so the model goes on as a plain model."""
@@ -268,15 +310,16 @@ def _state(model: nn.Module) -> OffloadState:
 def stats(model: nn.Module) -> dict[str, Any]:
     """Bytes moved per tier and direction, seconds compute waited on I/O, prefetch hits, late
     prefetches and misses, acquires after which compute lent a core to I/O (``lent``),
-    evictions, resident and peak resident bytes on the compute device, the budget and the
-    fixed staging overhead."""
+    evictions, resident and peak resident bytes on the compute device, the budget, the
+    fixed staging overhead, and ``memory``: the process's RSS split by holder (see
+    ``OffloadState.memory``)."""
     s = _state(model)
     d = s.stats.as_dict()
     if s.activations is not None:
         d["activations"] = dict(s.activations.stats.__dict__)
     if s.autobatch is not None:
         d["autobatch"] = s.autobatch.stats()
-    d.update(budget=s.budget, overhead=s.mover.overhead if s.mover else 0,
+    d.update(memory=s.memory(), budget=s.budget, overhead=s.mover.overhead if s.mover else 0,
              device=str(s.device), tier=s.policy.params,
              swap=s.swap.path if s.swap else None)
     return d

@@ -199,6 +199,25 @@ class PagedOptimizer(torch.optim.Optimizer):
                 bufs.close()
         _live.discard(self)
 
+    def held(self) -> dict[str, tuple[list[tuple[int, int]], int]]:
+        """Host memory it holds, by kind, as (ranges it mapped, bytes from malloc):
+        "optimizer" the chunks' state and masters, "staging" its own mover's buffers and the
+        host step's, "parked" the pages kept for the next chunk read."""
+        ranges, heap = [], 0
+        for c in self.chunks:
+            if c.state_unit is not None:
+                r, h = c.state_unit.held()
+            else:
+                r, h = [], sum(t.untyped_storage().nbytes() for _, t in self._state_tensors(c)
+                               if t.device.type == "cpu")
+            ranges += r
+            heap += h
+        staging = [r for b in (self.grad_bufs, self.copy_bufs) if b is not None for r in b.held()]
+        if self.mover is not None and self.mover in self._owned:
+            staging += self.mover.held()
+        return {"optimizer": (ranges, heap), "staging": (staging, 0),
+                "parked": (list(self.pool.ranges), 0)}
+
     def _own_swap(self, model: nn.Module, engine: Any) -> SwapSpace:
         names = [n for n, _ in model.named_parameters()]
         nvme_dir = self.offload.policy.nvme_dir

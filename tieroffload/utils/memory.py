@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterable
 
 import psutil
 import torch
@@ -122,6 +123,59 @@ def _libc(name: str, *args: int) -> None:
         getattr(ctypes.CDLL("libc.so.6"), name)(*args)
     except (OSError, AttributeError):
         pass
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_bytes(ranges: Iterable[tuple[int, int]]) -> int:
+    """Bytes of the page-aligned mapped ranges ``(address, nbytes)`` that are in RAM now
+    (mincore); 0 for a range that is not mapped (or where mincore is missing)."""
+    try:
+        mincore = ctypes.CDLL("libc.so.6", use_errno=True).mincore
+    except (OSError, AttributeError):
+        return 0
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    total = 0
+    for addr, nbytes in ranges:
+        pages = -(-nbytes // PAGE)
+        if addr % PAGE or pages == 0:
+            continue
+        vec = ctypes.create_string_buffer(pages)
+        if mincore(addr, nbytes, vec) == 0:
+            total += (pages - vec.raw.count(0)) * PAGE
+    return total
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def heap() -> tuple[int, int]:
+    """(bytes malloc has handed out and not had back, bytes freed that it keeps for reuse):
+    glibc's mallinfo2; (0, 0) without it."""
+    try:
+        f = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return 0, 0
+    f.restype = _MallInfo2
+    m = f()
+    return m.uordblks + m.hblkhd, m.fordblks
+
+
+def rss_parts() -> dict[str, int]:
+    """The resident set split as Linux counts it: anonymous memory and mapped files (code,
+    shared memory included); zeros where /proc is missing."""
+    keys = ("RssAnon", "RssFile", "RssShmem")
+    try:
+        with open("/proc/self/status") as f:
+            pairs = (line.split(":", 1) for line in f)
+            got = {k: int(v.split()[0]) * 1024 for k, v in pairs if k in keys}
+    except OSError:
+        got = {}
+    return {"anon": got.get("RssAnon", 0), "files": got.get("RssFile", 0) + got.get("RssShmem", 0)}
 
 
 def peak(device: torch.device) -> int:
