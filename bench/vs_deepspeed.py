@@ -10,8 +10,8 @@ size.
 
 DeepSpeed runs where ``deepspeed`` imports in ``--deepspeed-python`` (default: this Python),
 on its CPU accelerator with gloo in one process: ZeRO-3, both offloads on NVMe, DeepSpeed's
-CPU Adam, aio settings and buffer counts as ``deepspeed_config`` below sets them (the
-settings DeepSpeed needs raised from its defaults to run at all are listed there). Its
+CPU Adam, and the settings ``deepspeed_config`` below lists (those DeepSpeed needs changed
+from its defaults to run at all here). Its
 ``async_io`` op needs libaio's headers and builds on first use (minutes). tieroffload runs
 with ``Policy(params="nvme", optimizer="nvme", grads="nvme")`` under ``--budget``.
 """
@@ -58,27 +58,28 @@ def peak_rss() -> int:
     return 0
 
 
-def deepspeed_config(args) -> dict:
-    """ZeRO-3 with parameters and optimizer state on NVMe. DeepSpeed's defaults are 5 param
-    buffers of 1e8 elements and 4 optimizer buffers; with every partition sized to one buffer it
-    needs a buffer for each parameter alive at once, so ``--ds-param-buffers`` is raised."""
+def deepspeed_config(args, largest: int) -> dict:
+    """ZeRO-3 with parameters and optimizer state on NVMe. Raised or set from DeepSpeed's
+    defaults because it does not run without them here (DeepSpeed 0.19.8, one CPU process):
+    ``buffer_size`` to the largest parameter (every partition must fit one buffer; the default
+    1e8 elements with 5 buffers pins 2 GB and at 6x1024 kept every parameter off NVMe,
+    ``max_in_cpu`` 1e9 holding them in RAM), ``max_in_cpu`` 0, ``stage3_max_reuse_distance``
+    0 and ``sub_group_size`` 2e7 (at 16x1024 the defaults stop with "Not enough buffers 0 for
+    swapping 1" whatever the buffer count)."""
     return {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
         "zero_optimization": {
             "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": args.nvme,
-                              "buffer_count": args.ds_param_buffers,
-                              "buffer_size": args.ds_param_buffer_size,
-                              "pin_memory": False},
-            "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme,
-                                  "buffer_count": 4, "pin_memory": False,
-                                  "pipeline_read": False, "pipeline_write": False},
-            "stage3_param_persistence_threshold": 0,
-            "sub_group_size": args.ds_sub_group,
+            "offload_param": {"device": "nvme", "nvme_path": args.nvme, "pin_memory": True,
+                              "buffer_count": 5, "buffer_size": largest, "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme, "pin_memory": True,
+                                  "buffer_count": 4},
+            "stage3_max_reuse_distance": 0,
+            "sub_group_size": int(2e7),
         },
-        "aio": {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 1,
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1,
                 "single_submit": False, "overlap_events": True},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -89,12 +90,14 @@ def run_deepspeed(args, model, batches) -> tuple[list[float], list[float]]:
     import deepspeed
     import torch.distributed as dist
     import torch.nn.functional as F
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
+                 ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=0, world_size=1)
+    largest = max(p.numel() for p in model.parameters())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=deepspeed_config(args))
+                                      config=deepspeed_config(args, largest))
     times, losses = [], []
     for x, y in batches:
         t0 = time.perf_counter()
@@ -179,8 +182,7 @@ class Cgroup:
 def contend(args, who: str, python: str, size: str, cg: Cgroup | None) -> dict:
     with tempfile.TemporaryDirectory(dir=args.dir, prefix=f"vs-{who}-") as nvme:
         cmd = [python, __file__, "--worker", who, "--size", size, "--nvme", nvme]
-        for k in ("vocab", "seq", "batch", "steps", "budget", "lr", "ds_param_buffers",
-                  "ds_param_buffer_size", "ds_sub_group"):
+        for k in ("vocab", "seq", "batch", "steps", "budget", "lr"):
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
         env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
         out = subprocess.run(cmd, capture_output=True, text=True, env=env,
@@ -214,9 +216,6 @@ def main() -> None:
     p.add_argument("--budget", default="256MiB", help="tieroffload's CPU budget")
     p.add_argument("--cap", default=None, help="run each contender in a memory cgroup of this size")
     p.add_argument("--deepspeed-python", default=None)
-    p.add_argument("--ds-param-buffers", type=int, default=64)
-    p.add_argument("--ds-param-buffer-size", type=int, default=int(8.4e6))
-    p.add_argument("--ds-sub-group", type=int, default=int(1e8))
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--size", default=None, help=argparse.SUPPRESS)
