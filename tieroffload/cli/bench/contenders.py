@@ -141,17 +141,17 @@ def _measure_aiofiles(scratch: Scratch, buf: torch.Tensor, cap_s: float,
         async with aiofiles.open(scratch.path, "r+b" if write else "rb", buffering=0,
                                  opener=scratch.opener()) as f:
             start = time.perf_counter()
-            while moved < scratch.size and time.perf_counter() - start <= cap_s:
+            while (moved < scratch.size and time.perf_counter() - start <= cap_s
+                   and not common.stopping.is_set()):
                 chunk = view[:min(p.block_size, scratch.size - moved)]
                 moved += await (f.write(chunk) if write else f.readinto(chunk))
             return moved, time.perf_counter() - start
 
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(loop())
-    # Called from code that runs an event loop already (a notebook): a loop of its own, in a
-    # thread of its own.
+    # The loop runs in a thread of its own, never in the main one: Ctrl-C's handler raises in
+    # the main thread, and raised inside a running event loop it was seen to hang asyncio.run's
+    # shutdown for over 30 s. Here the main thread leaves at once, the loop sees ``stopping`` and
+    # ends after its current block. The same thread also serves code that already runs a loop
+    # (a notebook).
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, loop()).result()
 

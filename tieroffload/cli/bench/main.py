@@ -83,10 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
 def _on_interrupt(signum: int, frame: Any) -> None:
-    """Ctrl-C's way out, for SIGINT and SIGTERM alike. Installed for SIGINT too because
-    ``asyncio.run`` otherwise puts its own handler in, which only cancels the aiofiles task,
-    and that cancel was seen to vanish about one run in ten; the flag, checked before each
-    point and at the end, catches an exception lost anywhere else."""
+    """Ctrl-C's way out, for SIGINT and SIGTERM alike: sets ``stopping``, which the sweep checks
+    before each point and loops running in other threads (aiofiles's event loop) check per
+    block, then raises in the main thread."""
     stopping.set()
     raise KeyboardInterrupt
