@@ -107,6 +107,30 @@ def test_ten_adamw_steps_same_losses(name, tier, tmp_path, caplog):
     tieroffload.close(model)
 
 
+def test_in_place_write_inside_forward_reaches_the_home(tmp_path):
+    """nn.Embedding(max_norm=...) renormalises the rows it looks up, in place, inside forward:
+    under a budget that evicts it, the rows come back renormalised and training matches."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Embedding(200, 32, max_norm=1.0), nn.Linear(32, 64), nn.ReLU(),
+                        nn.Linear(64, 200))
+    model = tieroffload.offload(copy.deepcopy(ref), policy_for(
+        "nvme", tmp_path, cpu_budget=60_000))  # the largest unit: 52 kB
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        ids = torch.arange(20 * step, 20 * step + 40).view(4, 10) % 200
+        for m, o in ((ref, opt_ref), (model, opt)):
+            loss_of(m(ids)).backward()
+            o.step()
+            o.zero_grad()
+    assert model._tieroffload.stats.evictions > 0
+    assert torch.equal(model[0].weight, ref[0].weight)
+    with torch.no_grad():
+        assert torch.equal(model(torch.arange(200).view(20, 10)),
+                           ref(torch.arange(200).view(20, 10)))
+    tieroffload.close(model)
+
+
 def test_plain_optimizer_gets_gradients_paged_to_nvme(tmp_path):
     """With grads="nvme", p.grad is None outside a step: a plain torch optimizer's step brings
     them in (the sum of two micro-batches) and uses them up, as the paged optimizer does."""

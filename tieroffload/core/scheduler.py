@@ -214,7 +214,9 @@ class Scheduler:
     def _finish(self, u: Unit) -> None:
         """Waits for the unit's move. A failed read leaves it AWAY (its memory given back, the
         next acquire reads it afresh); a failed write leaves it RESIDENT and dirty (its values
-        are still here, written again at its next eviction). Either way the error is raised."""
+        are still here, written again at its next eviction). Either way the error is raised.
+        A unit that arrives, or whose write is done, is as its home: ``Unit.snapshot``."""
+        moved = u.state is not State.RESIDENT
         if u.ticket is not None:
             ticket, u.ticket = u.ticket, None
             try:
@@ -228,6 +230,8 @@ class Scheduler:
                     u.state, u.dirty = State.RESIDENT, True
                 raise
         u.state = State.RESIDENT
+        if moved:
+            u.snapshot()
 
     def _account(self, delta: int) -> None:
         self.stats.resident += delta
@@ -278,7 +282,7 @@ class Scheduler:
             self._finish(u)
         if self._prefetched.pop(u.id, None) is not None:
             self.stats.wasted += 1
-        if u.dirty:
+        if u.changed:
             u.ticket = self.mover.store(u)
             u.dirty = False
             u.initialized = True
@@ -315,6 +319,7 @@ class Scheduler:
         timed_wait(self.mover.store(u), self.stats)
         u.dirty = False
         u.initialized = True
+        u.snapshot()
 
     def _prefetch(self, acquiring: list[Unit]) -> None:
         """Starts reads along the trace, up to the window's depth in units still to read

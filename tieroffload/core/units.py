@@ -17,7 +17,7 @@ import torch
 
 from ..aio.buffers import aligned_empty
 from ..aio.pages import PAGE, PagePool, discard, renew
-from ..compat.tensors import plain_tensors
+from ..compat.tensors import plain_tensors, version
 
 if TYPE_CHECKING:
     from .homes import Home
@@ -81,10 +81,23 @@ class Unit:
         self.initialized = True  # False for a model built on the meta device, until loaded
         self.last_use = 0
         self.crc: int | None = None  # of the bytes last written home (Policy(checksum=True))
+        self._versions: list[int] | None = None  # see snapshot
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
         return [s.param for s in self.segments]
+
+    def snapshot(self) -> None:
+        """Records its parameters' version counters: its bytes in memory equal its home's."""
+        self._versions = [version(p) for p in self.params]
+
+    @property
+    def changed(self) -> bool:
+        """Its bytes in memory may differ from its home's: marked ``dirty``, or written in
+        place since ``snapshot`` by code that no hook sees (``nn.Embedding(max_norm=...)``
+        renormalises rows of its weight inside forward)."""
+        return self.dirty or (self._versions is not None
+                              and self._versions != [version(p) for p in self.params])
 
     @property
     def reading(self) -> bool:
