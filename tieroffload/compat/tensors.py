@@ -37,3 +37,39 @@ def grad_norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor
     if device.type in ("cpu", "cuda") and all(type(g) is torch.Tensor for g in grads):
         return list(torch._foreach_norm(grads, norm_type))
     return [torch.linalg.vector_norm(g, norm_type) for g in grads]
+
+
+Norms = dict[int, tuple[torch.Tensor, torch.device, torch.dtype]]
+
+
+def add_grad_norms(params: list[torch.Tensor], norm_type: float, out: Norms,
+                   clips: list[torch.Tensor]) -> None:
+    """Adds to ``out`` the norm of each parameter's gradient, times ``clips`` not yet
+    applied (they are applied to ``p.grad``: a copy brought in, not written back)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        for c in clips:
+            g.mul_(c.to(g.device))
+        groups.setdefault((g.device, g.dtype), []).append(p)
+    for (device, dtype), ps in groups.items():
+        for p, n in zip(ps, grad_norms([p.grad for p in ps], norm_type)):
+            out[id(p)] = (n, device, dtype)
+
+
+def total_norm(params: list[torch.Tensor], norms: Norms, norm_type: float) -> torch.Tensor:
+    """The norm of the per-parameter ``norms`` of ``params`` (those present), stacked in
+    torch's order (by device and dtype of first appearance), so it is bit-equal to
+    ``torch.nn.utils.clip_grad_norm_``'s; 0 where none is present."""
+    present = [p for p in params if id(p) in norms]
+    if not present:
+        return torch.tensor(0.0)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in present:
+        n, device, dtype = norms[id(p)]
+        groups.setdefault((device, dtype), []).append(n)
+    first = norms[id(present[0])][1]
+    return torch.linalg.vector_norm(
+        torch.stack([n.to(first) for ns in groups.values() for n in ns]), norm_type)

@@ -31,6 +31,9 @@ class GradPager:
         self.buffers: dict[int, Unit] = {}
         self.has: dict[int, list[bool]] = {}  # per parameter: a gradient is stored
         self.finite: dict[int, bool] = {}  # per unit: its stored gradients hold no inf/NaN
+        # Per unit: clip coefficients of a plain optimizer's clip_grad_norm_ not yet applied to
+        # its stored gradients; they multiply them as they come in (or before more are added).
+        self.clips: dict[int, list[torch.Tensor]] = {}
         for u in units:
             grads = [(f"{n}.grad", torch.empty_like(p, memory_format=torch.contiguous_format))
                      for n, p in zip(u.names, u.params) if p.requires_grad]
@@ -65,6 +68,7 @@ class GradPager:
             p.grad = None
         has = self.has[u.id]
         prior = list(has)
+        clips = self.clips.pop(u.id, [])
         for i, f in enumerate(fresh):
             has[i] = has[i] or f is not None
 
@@ -73,6 +77,8 @@ class GradPager:
             if any(prior):
                 self.mover.move_now(g, write=False)
             for f, seg, old in zip(fresh, g.segments, prior):
+                for c in clips if old else ():
+                    seg.param.data.mul_(c)
                 if f is not None:
                     if old:
                         seg.param.data.add_(f)
@@ -112,6 +118,8 @@ class GradPager:
                 continue
             for p, seg, h in zip(self._grad_params(u), g.segments, self.has[u.id]):
                 p.grad = seg.param.data if h else None
+                for c in self.clips.get(u.id, ()) if h else ():
+                    p.grad.mul_(c)  # a copy brought in: what is stored stays unclipped
 
     def put_back(self, units: list[Unit]) -> None:
         """Undoes ``bring_in`` without using the gradients up: they stay stored on NVMe."""
@@ -148,6 +156,7 @@ class GradPager:
             if u.id in self.buffers:
                 self.has[u.id] = [False] * len(self.has[u.id])
                 self.finite.pop(u.id, None)
+                self.clips.pop(u.id, None)
 
     def clear(self, units: list[Unit] | None = None, keep: list[Unit] = ()) -> None:
         """Forgets the stored gradients of ``units`` (all: None), except those of ``keep`` (a
@@ -161,6 +170,7 @@ class GradPager:
                 self.buffers[uid].free(self.pool)
             self.has[uid] = [False] * len(self.has[uid])
             self.finite.pop(uid, None)
+            self.clips.pop(uid, None)
 
     def close(self) -> None:
         self.flush()

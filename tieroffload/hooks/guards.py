@@ -61,6 +61,21 @@ _NO_DATA = _no_data(
     ["grad", "requires_grad", "shape", "dtype", "device", "is_leaf", "grad_fn", "layout",
      "ndim", "is_cuda", "is_meta", "_version"]) | {torch.Tensor.data.__set__}
 
+_SET_DATA = torch.Tensor.data.__set__
+
+
+def _check_same_layout(p: torch.Tensor, new: torch.Tensor) -> None:
+    """``p.data = new`` may change values, never the shape or dtype: the unit's pages and
+    its home were laid out for the old one (``resize_token_embeddings`` does this)."""
+    with plain_tensors():
+        same = new.shape == p.shape and new.dtype == p.dtype
+    if not same:
+        raise ValueError(
+            f"tieroffload: p.data = a tensor of {tuple(new.shape)} {new.dtype} on an offloaded "
+            f"parameter of {tuple(p.shape)} {p.dtype} (resize_token_embeddings, a conversion): "
+            "change shapes and dtypes before tieroffload.offload, or close(model) first")
+
+
 _owner_of: dict[int, tuple[Guards, Unit]] = {}  # id(parameter) -> its model's state, unit
 
 
@@ -73,6 +88,8 @@ class OffloadedParameter(nn.Parameter):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func == _SET_DATA:
+            _check_same_layout(*args)
         away: list[tuple[Guards, Unit]] = []
         if func not in _NO_DATA:
             for a in (*args, *kwargs.values()):
@@ -153,6 +170,10 @@ class Guards:
             self.scheduler.release([u])
         if hold or wrote:
             u.dirty = True
+
+    def viewed(self) -> list[Unit]:
+        """The units that views taken outside the hooks hold (see ``untouch``)."""
+        return list(self._touched)
 
     def release_touched(self) -> None:
         """Lets the units that views taken outside the hooks hold go (see ``untouch``)."""

@@ -24,7 +24,7 @@ from ..core.scheduler import Scheduler
 from ..core.stats import Stats
 from ..core.threads import CoreLender
 from ..core.units import State, Unit
-from ..integrations import fsdp
+from ..integrations import accelerate, fsdp
 from ..utils import memory
 from ..utils.dist import world_size
 from ..utils.sizes import format_bytes
@@ -35,7 +35,7 @@ from .guards import Guards, check_not_dispatched
 from .passes import PassHooks
 from .policy import BasePolicy
 from .state_dict import StateDictHooks
-from .steps import StepHooks, live
+from .steps import StepHooks, clip_paged, has_paged_grads, live
 
 log = logging.getLogger("tieroffload")
 
@@ -108,6 +108,9 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
                 self._setup_tiers(largest, io_delay)
                 self._install_hooks(model)
                 self._install_guards(model)
+                if self.grads is not None:  # what p.grad None hides from the user's tools
+                    accelerate.route_clip(has_paged_grads, clip_paged)
+                    self._forget_grads_on_zero_grad(model)
             if policy.activations is not None:
                 self._setup_activations(model, io_delay)
         except BaseException:

@@ -4,17 +4,21 @@ forgotten (``drop_stored_grads``)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch import nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
 
+from ..compat.tensors import Norms, add_grad_norms, total_norm
+from ..core.units import Unit
 from ..utils.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -28,6 +32,15 @@ _warned_step = False
 
 class StepHooks:
     """The part of ``OffloadState`` that pins units around a plain optimizer's step."""
+
+    def _forget_grads_on_zero_grad(self, model: nn.Module) -> None:
+        """With gradients paged to NVMe, ``zero_grad`` of a plain optimizer or of the model's
+        modules (a skipped batch: backward, then zero_grad without a step) forgets the stored
+        gradients too, as it forgets ``p.grad`` of a plain model."""
+        torch.optim.Optimizer.zero_grad = _zero_grad  # once for all: it calls torch's
+        for m in model.modules():
+            m.zero_grad = _module_zero_grad(m, m.zero_grad)
+            self._undo.append(lambda m=m: m.__dict__.pop("zero_grad", None))
 
     def step_begin(self, optimizer: torch.optim.Optimizer) -> None:
         global _warned_step
@@ -66,6 +79,23 @@ class StepHooks:
         self.scheduler.trim()
 
 
+_torch_zero_grad = torch.optim.Optimizer.zero_grad
+
+
+@functools.wraps(_torch_zero_grad)
+def _zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    _torch_zero_grad(self, set_to_none)
+    if not getattr(self, "_tieroffload_inner", False):  # a paged optimizer's chunk
+        drop_stored_grads(p for g in self.param_groups for p in g["params"])
+
+
+def _module_zero_grad(module: nn.Module, orig: Callable[..., None]) -> Callable[..., None]:
+    def zero_grad(set_to_none: bool = True) -> None:
+        orig(set_to_none)
+        drop_stored_grads(module.parameters())
+    return zero_grad
+
+
 def drop_stored_grads(params: Iterable[torch.Tensor]) -> None:
     """Forgets the gradients of ``params`` that wait on NVMe (``grads="nvme"``), which
     ``p.grad`` does not show: a plain optimizer's ``zero_grad`` cannot reach them (a paged
@@ -74,7 +104,62 @@ def drop_stored_grads(params: Iterable[torch.Tensor]) -> None:
     for s in list(live):
         if s.grads is not None:
             units = {s.param_unit[i].id: s.param_unit[i] for i in ids if i in s.param_unit}
-            s.grads.clear(list(units.values()))
+            # a paged optimizer's deferred updates have taken theirs (see its step)
+            keep = [u for o in list(s.optimizers) for u in o.deferred_units()]
+            s.grads.clear(list(units.values()), keep=keep)
+
+
+def _paged(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    paging = [s for s in list(live) if s.grads is not None]
+    return [p for p in params if any(id(p) in s.param_unit for s in paging)]
+
+
+def has_paged_grads(params: list[torch.Tensor]) -> bool:
+    """True when some of ``params`` have their gradients paged to NVMe (grads="nvme")."""
+    return bool(_paged(params))
+
+
+def clip_paged(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+               error_if_nonfinite: bool = False) -> torch.Tensor:
+    """``clip_grad_norm_`` over ``params``, some of whose gradients are paged to NVMe: through
+    the paged optimizer that steps them, else (a plain optimizer) here. Each unit's stored
+    gradients come in for their norms and go back; the coefficient waits in the pager and
+    multiplies them when the step brings them in. The total is torch's, bit for bit."""
+    paged = _paged(params)
+    opt = next((o for s in list(live) if s.grads is not None for o in list(s.optimizers)
+                if o.owns(paged)), None)
+    if opt is not None:
+        return opt.clip_params(params, max_norm, norm_type, error_if_nonfinite)
+    norm_type = float(norm_type)
+    wanted = {id(p) for p in params}
+    norms: Norms = {}
+    clipped: list[tuple[OffloadState, Unit]] = []
+    with torch.no_grad():
+        for s in [s for s in list(live) if s.grads is not None]:
+            for u in s.units:
+                ps = [p for p in u.params if id(p) in wanted]
+                if not ps:
+                    continue
+                s.grads.bring_in([u])
+                try:
+                    add_grad_norms(ps, norm_type, norms, [])
+                finally:
+                    s.grads.put_back([u])
+                clipped.append((s, u))
+        seen = {id(p) for _, u in clipped for p in u.params}
+        resident = [p for p in params if id(p) not in seen]
+        add_grad_norms(resident, norm_type, norms, [])
+        total = total_norm(params, norms, norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
+                               "`parameters` is non-finite, so it cannot be clipped")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in resident:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.device))
+        for s, u in clipped:
+            s.grads.clips.setdefault(u.id, []).append(coef)
+    return total
 
 
 def _step_pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -21,14 +21,13 @@ from torch import nn
 
 from ..aio.pages import PagePool
 from ..aio.swap import SwapSpace, stable_tag
-from ..compat.tensors import grad_norms
+from ..compat.tensors import add_grad_norms, total_norm
 from ..core.devices import HostBuffers, Transfers
 from ..core.homes import NvmeHome
 from ..core.mover import NBUF, Mover, Ticket, timed_wait
 from ..core.units import State, Unit
 from ..hooks.state import OffloadState, _state
 from ..utils.dist import world_size
-from .clip import install_accelerate
 from .loss_scale import LossScale
 
 CHUNK_BYTES = 16 << 20  # parameters per chunk, at least one unit
@@ -159,8 +158,6 @@ class PagedOptimizer(torch.optim.Optimizer):
                 raise
         _live.add(self)
         self.offload.optimizers.add(self)
-        if self.offload.grads is not None:
-            install_accelerate()
 
     def _state_bytes(self, chunk: _Chunk) -> int:
         """Bytes of the chunk's state once stepped: two fp32 slots per element (Adam's moments;
@@ -431,6 +428,9 @@ class PagedOptimizer(torch.optim.Optimizer):
                 shard.clear_grad(set_to_none=True)  # taken with the locals' gradients
             self._pending_scale = scale
             self._pending_clips, self._clips = self._clips, []
+            # A view taken outside the hooks (``w = p.data``) reads and writes the unit's memory
+            # itself, unseen: its chunk is updated now, as a plain step shows through the view.
+            self.settle(self.offload.viewed())
             if self._pending:  # held until applied, even if the caller drops this optimizer
                 self.offload.pending_opts.add(self)
             # The first update waits for nothing: its state and gradients come in now, while
@@ -595,13 +595,17 @@ class PagedOptimizer(torch.optim.Optimizer):
                 if nxt is not None and nxt.masters and self.offload.grads is None:
                     # Its gradients leave the device while this chunk is updated.
                     self._grads_out(nxt, self._pending.get(todo[k + 1]))
-            grads = self._pending.pop(i, None)
+            grads = self._pending.get(i)
             if grads is not None:
                 for p, g in zip(chunk.params, grads):
                     p.grad = g
             if self.offload.grads is not None:
                 self.offload.grads.bring_in(chunk.units)
             self._step_chunk(chunk, scale, clips)
+            # Deferred until updated: a deferred update that fails (a read of its gradients,
+            # in the forward that settles it) stays deferred, and is not taken for a step that
+            # failed part way (see _run), which would skip the caller's next step().
+            self._pending.pop(i, None)
             if grads is not None:  # used up: the user's zero_grad may already have run
                 for p in chunk.params:
                     p.grad = None
@@ -707,22 +711,16 @@ class PagedOptimizer(torch.optim.Optimizer):
             if pager is not None:
                 pager.bring_in(chunk.units)
             try:
-                self._norms(ps, norm_type, norms, self._clips if pager is not None else [])
+                add_grad_norms(ps, norm_type, norms, self._clips if pager is not None else [])
             finally:
                 if pager is not None:
                     pager.put_back(chunk.units)
             seen.update(id(p) for p in ps)
-        self._norms([p for p in params if id(p) not in seen], norm_type, norms, [])
+        add_grad_norms([p for p in params if id(p) not in seen], norm_type, norms, [])
         present = [p for p in params if id(p) in norms]
         if not present:
             return torch.tensor(0.0)
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for p in present:  # torch's order: by (device, dtype) of first appearance
-            n, device, dtype = norms[id(p)]
-            groups.setdefault((device, dtype), []).append(n)
-        first = norms[id(present[0])][1]
-        total = torch.linalg.vector_norm(
-            torch.stack([n.to(first) for ns in groups.values() for n in ns]), norm_type)
+        total = total_norm(present, norms, norm_type)
         if self.scaler is not None:  # the gradients are scaled (by a power of two)
             total = total / self.scaler.scale
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -736,23 +734,6 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._clips.append(coef)
         return total
 
-    @staticmethod
-    def _norms(params: list[torch.Tensor], norm_type: float,
-               out: dict[int, tuple[torch.Tensor, torch.device, torch.dtype]],
-               clips: list[torch.Tensor]) -> None:
-        """Adds the norm of each parameter's gradient (times ``clips`` not yet applied)."""
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for p in params:
-            g = p.grad
-            if g is None:
-                continue
-            for c in clips:
-                g.mul_(c.to(g.device))  # a copy brought in from NVMe: not written back
-            groups.setdefault((g.device, g.dtype), []).append(p)
-        for (device, dtype), ps in groups.items():
-            for p, n in zip(ps, grad_norms([p.grad for p in ps], norm_type)):
-                out[id(p)] = (n, device, dtype)
-
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (fp16); backward that, then ``step()`` unscales."""
         return loss if self.scaler is None else loss * self.scaler.scale
@@ -765,13 +746,17 @@ class PagedOptimizer(torch.optim.Optimizer):
     def skipped_steps(self) -> int:
         return 0 if self.scaler is None else self.scaler.skipped
 
+    def deferred_units(self) -> list[Unit]:
+        """The units of the chunks whose update is deferred: their stored gradients are taken."""
+        return [u for i in self._pending for u in self.chunks[i].units]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._backwards = 0  # what was accumulated is gone
         self._clips = []
         self._ready.clear()
         if self.offload.grads is not None:  # deferred updates keep the gradients they took
             self.offload.grads.clear([u for c in self.chunks for u in c.units],
-                                     keep=[u for i in self._pending for u in self.chunks[i].units])
+                                     keep=self.deferred_units())
         for shard in self.offload.shards:
             shard.clear_grad(set_to_none)
         for chunk in self.chunks:
