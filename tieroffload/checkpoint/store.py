@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import shutil
+import stat
 import zlib
 from typing import Any, BinaryIO
 
@@ -94,7 +96,13 @@ def _leftovers(path: str) -> list[tuple[str, int]]:
     out = []
     for d in glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".old-*"):
         tail = d.rsplit("-", 1)[-1]
-        if tail.isdigit() and os.path.isdir(d) and not os.path.islink(d):
+        try:
+            st = os.lstat(d)
+        except OSError:
+            continue
+        # Only our own saves' leftovers: a directory another user planted beside the
+        # checkpoint is never adopted, nor removed.
+        if tail.isdigit() and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
             out.append((d, int(tail)))
     return out
 
@@ -269,12 +277,38 @@ def _read_manifest(path: str) -> dict[str, Any]:
     return meta
 
 
+# The dtypes a checkpoint may hold: what parameters, buffers and optimizer state use.
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool)}
+SCALAR_DTYPES = ("float32", "float64", "int64")  # an optimizer's step count
+
+
 def _check_size(path: str, meta: dict[str, Any]) -> None:
+    """The data file has the manifest's size, and every entry is well formed and lies inside
+    it: a known dtype, a shape of sizes, exactly its elements' bytes (a short entry would
+    leave the rest of a tensor unread and unchecked)."""
     data = os.path.join(path, "tensors.bin")
     size = os.path.getsize(data) if os.path.exists(data) else -1
     if size != meta["size"]:
         raise CheckpointError(f"checkpoint data {data} is truncated: {size} bytes, the "
                               f"manifest says {meta['size']}")
+    for e in meta["tensors"]:
+        try:
+            key, dtype, shape = e["key"], DTYPES[e["dtype"]], e["shape"]
+            offset, nbytes = e["offset"], e["nbytes"]
+            ok = (isinstance(key, str) and all(type(n) is int and n >= 0 for n in shape)
+                  and type(offset) is int and type(nbytes) is int and type(e["crc32"]) is int)
+        except (KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise CheckpointError(f"checkpoint {path}: manifest entry {e!r:.200} is malformed")
+        want = math.prod(shape) * dtype.itemsize
+        if nbytes != want or offset < 0 or offset + nbytes > size:
+            raise CheckpointError(
+                f"checkpoint {path}: {key} ({e['dtype']}{shape}) claims bytes "
+                f"{offset}..{offset + nbytes}; it needs {want} bytes inside the {size} of "
+                "tensors.bin")
 
 
 def _verify(path: str, meta: dict[str, Any]) -> None:
@@ -378,7 +412,7 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any],
                               if k.startswith(prefix)}
         for key, e in entries.items():
             if key.startswith(prefix):
-                t = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+                t = torch.empty(e["shape"], dtype=DTYPES[e["dtype"]])
                 fill(t, key)
                 st[key[len(prefix):]] = t
         return st or None
@@ -411,6 +445,7 @@ def _check_optimizer(path: str, optimizer: torch.optim.Optimizer, saved: dict[st
                               f"{[len(g['params']) for g in groups]} parameters, this optimizer "
                               f"has {[len(g['params']) for g in mine]}")
     params = [p for g in mine for p in g["params"]]
+    scalar: dict[str, tuple[bool, str]] = {}  # state name -> (a scalar, the first key)
     masters = ({id(c.params[i]) for c in optimizer.chunks for i in c.masters}
                if isinstance(optimizer, PagedOptimizer) else set())
     for key, e in entries.items():
@@ -421,8 +456,17 @@ def _check_optimizer(path: str, optimizer: torch.optim.Optimizer, saved: dict[st
             raise CheckpointError(f"checkpoint {path}: {key} is for no parameter of this "
                                   f"optimizer ({len(params)} parameters)")
         p = params[int(i)]
-        if len(e["shape"]) == 0 and e["nbytes"] <= 8:
-            continue  # a scalar such as step
+        if p.dim() > 0:  # one state name is a scalar (step) for every parameter, or for none
+            first = scalar.setdefault(name, (len(e["shape"]) == 0, key))
+            if first[0] != (len(e["shape"]) == 0):
+                raise CheckpointError(f"checkpoint {path}: {key} is {e['dtype']}{e['shape']} "
+                                      f"where {first[1]} is {'' if first[0] else 'not '}a "
+                                      "scalar")
+        if len(e["shape"]) == 0 and p.dim() > 0:  # a scalar such as step
+            if e["dtype"] not in SCALAR_DTYPES:
+                raise CheckpointError(f"checkpoint {path}: {key} is a {e['dtype']} scalar; "
+                                      f"an optimizer's scalars are one of {SCALAR_DTYPES}")
+            continue
         want = "float32" if id(p) in masters else str(p.dtype).removeprefix("torch.")
         if e["shape"] != list(p.shape) or e["dtype"] != want:
             raise CheckpointError(f"checkpoint {path}: {key} is {e['dtype']}{e['shape']}, this "

@@ -1,8 +1,9 @@
-"""Autograd engine internals: whether backward is running, and callbacks at its end."""
+"""Autograd engine internals: whether backward is running (and which pass), callbacks at its
+end, a tensor's node and whether a pass runs it."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -12,7 +13,22 @@ TESTED = ("2.13",)
 def in_backward() -> bool:
     """True while the autograd engine runs a graph task on this thread (a forward run inside
     backward is a recomputation, as activation checkpointing does)."""
-    return torch._C._current_graph_task_id() != -1
+    return graph_task() != -1
+
+
+def graph_task() -> int:
+    """The id of the backward pass running on this thread (-1 outside backward)."""
+    return torch._C._current_graph_task_id()
+
+
+def grad_node(t: torch.Tensor) -> Any:
+    """The node that computes ``t``'s gradient: its grad_fn, or a leaf's AccumulateGrad."""
+    return torch.autograd.graph._get_grad_fn_or_grad_acc(t)
+
+
+def will_execute(node: Any) -> bool:
+    """Whether the running backward pass executes ``node`` (call it during backward)."""
+    return torch._C._will_engine_execute_node(node)
 
 
 def at_backward_end(fn: Callable[[], None]) -> None:

@@ -198,13 +198,13 @@ class ActivationPager:
 
     def _page_out(self, storage: torch.UntypedStorage) -> _Record:
         r = _Record(next(self._seq), storage, self._padded(storage.nbytes()))
+        if self.tier == "nvme":  # a full disk fails here, before the record is tracked
+            r.offset = self.swap.alloc(r.padded)
         self._order.append(weakref.ref(r))
         self._writing.append(r)
         self._inflight += r.nbytes
         self.stats.peak_inflight = max(self.stats.peak_inflight, self._inflight)
         self.stats.bytes_written += r.nbytes
-        if self.tier == "nvme":
-            r.offset = self.swap.alloc(r.padded)
         if self.cuda or self.tier == "nvme":
             # Pinned on CUDA; on the CPU O_DIRECT needs an aligned copy of the bytes.
             r.host = aio.aligned_empty(r.padded, pin=self.cuda)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..compat import fsdp2
-from ..compat.autograd import at_backward_end, in_backward
+from ..compat.autograd import at_backward_end, grad_node, graph_task, in_backward, will_execute
 from ..compat.pytree import tree_flatten
 from ..core.units import Unit
 from ..integrations import fsdp
@@ -17,6 +17,39 @@ from ..integrations import fsdp
 
 def _grad_tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+def _hook_backward(outs: list[torch.Tensor], ins: list[torch.Tensor],
+                   before: Callable[[], None], after: Callable[[], None]) -> None:
+    """In each backward pass, runs ``before`` at the first gradient that reaches ``outs`` and
+    ``after`` once the pass has computed every gradient of ``ins`` it computes (the "any" and
+    "all" modes of torch's ``register_multi_grad_hook``).
+
+    Built without a reference cycle through autograd's nodes, which Python's collector cannot
+    free: torch's "all" mode keeps every input's node in the hook it puts on that input, and so
+    kept every graph alive (46.7 MiB and 66 k objects more over 100 steps of a 4-layer GPT).
+    Here the inputs' nodes are held by the outputs' hooks only, and the outputs' nodes lead to
+    the inputs', never back (``outs`` holds none of ``ins``)."""
+    nodes = [grad_node(t) for t in ins]
+    state = [-1, 0]  # the backward pass seen last, and the input gradients it has yet to give
+
+    def first(grad: torch.Tensor) -> None:
+        task = graph_task()
+        if state[0] == task:
+            return
+        state[0], state[1] = task, sum(map(will_execute, nodes))
+        before()
+
+    def each_input(grad: torch.Tensor) -> None:
+        if state[0] == graph_task() and state[1] > 0:
+            state[1] -= 1
+            if state[1] == 0:
+                after()
+
+    for t in outs:
+        t.register_hook(first)
+    for t in ins:
+        t.register_hook(each_input)
+
 
 class PassHooks:
     """The part of ``OffloadState`` that follows forward and backward passes."""
@@ -106,15 +139,13 @@ class PassHooks:
                 self.scheduler.release([u])
             if not torch.is_grad_enabled():
                 return
-            outs, ins = _grad_tensors(output), _grad_tensors(args)
+            ins = _grad_tensors(args)
+            outs = [t for t in _grad_tensors(output) if all(t is not i for i in ins)]
             if outs:
-                # Grads reaching the outputs: this module's backward is about to run.
-                torch.autograd.graph.register_multi_grad_hook(
-                    outs, lambda grads: self._pre_backward(units), mode="any")
-            if outs and ins:
-                # Grads reaching the inputs: its backward is done, its units may go.
-                torch.autograd.graph.register_multi_grad_hook(
-                    ins, lambda grads: self._post_backward(units), mode="all")
+                # Grads reaching the outputs: this module's backward is about to run; grads
+                # reaching all its inputs: its backward is done, its units may go.
+                _hook_backward(outs, ins, lambda: self._pre_backward(units),
+                               lambda: self._post_backward(units))
         return hook
 
     def _pre_backward(self, units: list[Unit]) -> None:
