@@ -307,6 +307,46 @@ def test_full_disk_while_paging_activations_then_retry_matches_pytorch(tmp_path)
     tieroffload.close(model)
 
 
+@pytest.mark.parametrize("then", ["forward", "step"])
+def test_a_backward_that_raises_after_stepping_chunks_stops_training(tmp_path, then):
+    """With overlap="backward", a backward that raises after some chunks stepped leaves a torn
+    step that no retry can mend: the next forward or step() says so and points to a
+    checkpoint; once one is loaded, training equals plain PyTorch resumed from it."""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = tieroffload.offload(copy.deepcopy(ref), nvme_policy(tmp_path, optimizer="nvme"))
+    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **KW)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, overlap="backward", **KW)
+    for m, o in ((ref, opt_ref), (model, opt)):
+        train_step(m, o, 0)
+    tieroffload.save_checkpoint(tmp_path / "ckpt", model, opt)
+    fired = []
+
+    def fail_once(module, grad_in, grad_out):
+        if not fired:
+            fired.append(1)
+            raise RuntimeError("injected failure in backward")
+
+    handle = model.blocks[0].register_full_backward_hook(fail_once)  # after later chunks step
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="injected"):
+        model(batch(1)).float().square().mean().backward()
+    handle.remove()
+    assert opt.stepped_in_backward
+    with pytest.raises(RuntimeError, match=r"chunks had stepped.*load_checkpoint"):
+        if then == "forward":
+            model(batch(1))
+        else:
+            opt.step()
+    tieroffload.load_checkpoint(tmp_path / "ckpt", model, opt)
+    for step in (1, 2):
+        for m, o in ((ref, opt_ref), (model, opt)):
+            train_step(m, o, step)
+    assert_same(params_of(ref), params_of(model), "parameters after the resumed steps")
+    opt.close()
+    tieroffload.close(model)
+
+
 # === 2. persistent write error ================================================================
 
 def test_persistent_write_error_raises_the_io_error_every_time(shim, tmp_path):
@@ -523,6 +563,13 @@ def test_malicious_pickle_in_extra_does_not_run(tmp_path):
     except CheckpointError:
         pass  # refused: fine
     assert not marker.exists(), "load_checkpoint ran code from extra.pt"
+
+
+def test_extra_that_cannot_be_saved_is_a_checkpoint_error_and_keeps_the_old(tmp_path):
+    path, model, opt = _small_checkpoint(tmp_path, extra={"step": 1})
+    with pytest.raises(CheckpointError, match="extra holds a value that cannot be saved"):
+        tieroffload.save_checkpoint(path, model, opt, extra={"f": lambda: 1})
+    assert tieroffload.load_checkpoint(path, model, opt) == {"step": 1}
 
 
 def test_flipped_byte_in_extra_is_detected(tmp_path):
@@ -826,7 +873,8 @@ def _one_line_value_error(fn):
     return msg
 
 
-@pytest.mark.parametrize("budget", [float("inf"), "1e400", -1, float("nan"), "-5MiB"])
+@pytest.mark.parametrize("budget", [float("inf"), "1e400", -1, float("nan"), "-5MiB", 0.001,
+                                    "1e-3", "0.3K"])
 def test_bad_budgets(budget):
     msg = _one_line_value_error(lambda: Policy(cpu_budget=budget))
     assert "cpu_budget" in msg
@@ -868,7 +916,8 @@ def test_offset_out_of_range(tmp_path, offset):
 
 
 @pytest.mark.parametrize("kw", [dict(threads=0), dict(threads=-1), dict(queue_depth=0),
-                                dict(queue_depth=-4), dict(block_size=-4096)])
+                                dict(queue_depth=-4), dict(block_size=-4096),
+                                dict(block_size=2**62)])
 def test_bad_engine_counts(kw):
     _one_line_value_error(lambda: aio.Engine("threads", **kw))
 

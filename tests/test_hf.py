@@ -261,6 +261,25 @@ def test_torch_clip_grad_norm_(grads, paged, tmp_path):
 
 
 @pytest.mark.parametrize("grads", ["cpu", "nvme"])
+def test_torch_clip_grad_value_(grads, tmp_path):
+    """clip_grad_value_ clips gradients in RAM as torch does; those paged to NVMe it cannot
+    reach, and it says so instead of clipping nothing."""
+    ref = gpt2()
+    model = tieroffload.offload(copy.deepcopy(ref), clip_policy(tmp_path, ref, grads))
+    for m in (ref, model):
+        lm_loss(m, tokens(0)).backward()
+    if grads == "nvme":
+        with pytest.raises(RuntimeError, match='grads="nvme".*clip_grad_value_.*grads="cpu"'):
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+    else:
+        for m in (ref, model):
+            torch.nn.utils.clip_grad_value_(m.parameters(), 1e-3)
+        for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad), n
+    tieroffload.close(model)
+
+
+@pytest.mark.parametrize("grads", ["cpu", "nvme"])
 def test_paged_optimizer_clip_grad_norm_method(grads, tmp_path):
     ref = gpt2()
     model = tieroffload.offload(copy.deepcopy(ref), clip_policy(tmp_path, ref, grads))

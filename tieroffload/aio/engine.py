@@ -20,6 +20,7 @@ from .. import _native
 
 MAX_QUEUE_DEPTH = 4096  # requests in flight; io_uring refuses rings much larger than this
 MAX_THREADS = 1024
+MAX_BLOCK_SIZE = 1 << 30  # a read or write moves at most about 2 GiB in one call
 
 
 def check_io_settings(block_size: int, queue_depth: int, threads: int | None,
@@ -31,9 +32,9 @@ def check_io_settings(block_size: int, queue_depth: int, threads: int | None,
                         ("threads", threads)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{prefix}{name} must be an int, not {type(value).__name__}")
-    if block_size < 4096 or block_size % 4096:
-        raise ValueError(f"{prefix}block_size must be a positive multiple of 4096, "
-                         f"not {block_size}")
+    if block_size < 4096 or block_size % 4096 or block_size > MAX_BLOCK_SIZE:
+        raise ValueError(f"{prefix}block_size must be a multiple of 4096 between 4096 and "
+                         f"{MAX_BLOCK_SIZE} (1 GiB), not {block_size}")
     if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
         raise ValueError(f"{prefix}queue_depth must be between 1 and {MAX_QUEUE_DEPTH}, "
                          f"not {queue_depth}")

@@ -246,16 +246,20 @@ def _write(tmp: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         os.fsync(f.fileno())
         size = f.tell()
     epath = os.path.join(tmp, "extra.pt")
-    with _create(epath) as f:
-        torch.save({"param_groups": groups, "scalars": scalars, "loss_scale": loss_scale,
-                    "extra": extra}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    try:  # what load will accept: refused now, while the previous checkpoint is in place
+    try:
+        with _create(epath) as f:
+            torch.save({"param_groups": groups, "scalars": scalars, "loss_scale": loss_scale,
+                        "extra": extra}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        # what load will accept: refused now, while the previous checkpoint is in place
         torch.load(epath, weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"extra holds a type that cannot be loaded safely (use dicts, "
-                              f"lists, numbers, strings and tensors): {e}".splitlines()[0]) from e
+    except OSError:  # the disk: not the value
+        raise
+    except Exception as e:  # a lambda, an open file, a type weights_only refuses
+        raise CheckpointError(f"extra holds a value that cannot be saved and loaded safely "
+                              f"(use dicts, lists, numbers, strings and tensors): "
+                              f"{e}".splitlines()[0]) from e
     nbytes, crc = _crc(epath)
     return {"format": FORMAT, "version": VERSION, "size": size, "tensors": w.entries,
             "extra": {"nbytes": nbytes, "crc32": crc}}

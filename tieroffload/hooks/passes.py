@@ -86,8 +86,10 @@ class PassHooks:
 
     def _begin_iteration(self, module: nn.Module, args: Any) -> None:
         if not in_backward():  # not a recomputation inside backward
-            if self._bwd_callback_queued:  # the last backward raised: its end never ran
+            if self.backward_raised():  # its end never ran
                 self._bwd_callback_queued = False
+                for opt in list(self.optimizers):
+                    opt.backward_failed()
                 self._grads_seen.clear()
                 self._deferred.clear()
                 self._release_bwd_pins()
@@ -147,6 +149,10 @@ class PassHooks:
                 _hook_backward(outs, ins, lambda: self._pre_backward(units),
                                lambda: self._post_backward(units))
         return hook
+
+    def backward_raised(self) -> bool:
+        """The last backward over the model raised (its end-of-backward callback never ran)."""
+        return self._bwd_callback_queued and not in_backward()
 
     def _pre_backward(self, units: list[Unit]) -> None:
         if not self._bwd_callback_queued:

@@ -1,6 +1,7 @@
 """``torch.nn.utils.clip_grad_norm_`` over offloaded parameters whose gradients wait on NVMe
-(``grads="nvme"``, where ``p.grad`` is None): the paged optimizer that steps them clips them,
-so code that calls torch's function (the HF Trainer, accelerate) gets the true norm."""
+(``grads="nvme"``, where ``p.grad`` is None): they are clipped where they are stored (see
+``hooks.steps.clip_paged``), so code that calls torch's function gets the true norm.
+``clip_grad_value_`` cannot reach them, and says so."""
 
 from __future__ import annotations
 
@@ -9,26 +10,41 @@ from collections.abc import Iterable
 
 import torch
 
-from ..hooks.steps import clip_paged, has_paged_grads, live
+from ..hooks.steps import clip_paged, has_paged_grads
 
 _torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+_torch_clip_grad_value_ = torch.nn.utils.clip_grad_value_
+
+
+def _listed(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
 
 @functools.wraps(_torch_clip_grad_norm_)
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                     norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None) -> torch.Tensor:
-    paging = [s for s in list(live) if s.grads is not None]
-    if not paging:
-        return _torch_clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite,
-                                      foreach)
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    params = _listed(parameters)
     if not has_paged_grads(params):
         return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     return clip_paged(params, max_norm, norm_type, error_if_nonfinite)
 
 
+@functools.wraps(_torch_clip_grad_value_)
+def clip_grad_value_(parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float,
+                     foreach: bool | None = None) -> None:
+    params = _listed(parameters)
+    if has_paged_grads(params):
+        raise RuntimeError(
+            'tieroffload: grads="nvme" keeps gradients on NVMe (p.grad is None), where '
+            "clip_grad_value_ cannot reach them; keep them in RAM (grads=\"cpu\") or clip by "
+            "norm (torch.nn.utils.clip_grad_norm_)")
+    return _torch_clip_grad_value_(params, clip_value, foreach)
+
+
 def install() -> None:
-    """Puts ``clip_grad_norm_`` in place of torch's (by module attribute, as callers find it)."""
+    """Puts these in place of torch's (by module attribute, as callers find them)."""
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+    torch.nn.utils.clip_grad_value_ = clip_grad_value_
+    torch.nn.utils.clip_grad.clip_grad_value_ = clip_grad_value_

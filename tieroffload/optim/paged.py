@@ -143,6 +143,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             overlap and self.offload.mover is not None)
         self._ready: dict[int, set[int]] = {}  # overlap="backward": chunk -> units with grads
         self._stepped: set[int] = set()  # overlap="backward": chunks stepped this backward
+        self._torn: list[int] = []  # chunks stepped by a backward that then raised
         self._pending: dict[int, list[torch.Tensor | None] | None] = {}  # chunk -> its grads
         self._pending_scale: float | None = None
         self._clips: list[torch.Tensor] = []  # clip_grad_norm_ factors of paged gradients
@@ -396,6 +397,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.offload.backward_raised():
+            self.backward_failed()
+        self._check_torn()
         resuming = self._resume
         self.settle()  # what a previous step left, before new gradients are taken
         if resuming:  # this call retries a step that failed part way: it is now complete
@@ -488,6 +492,24 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._page_out(chunk)
         return True
 
+    def backward_failed(self) -> None:
+        """The model's last backward raised. With ``overlap="backward"``, chunks it stepped hold
+        this step's update and the others do not: training refuses to go on (``_check_torn``)
+        until a checkpoint is loaded. Before any chunk stepped, nothing is lost: a retry or a
+        step() is as plain PyTorch's after a backward that raised."""
+        if self._stepped:
+            self._torn = sorted(self._stepped)
+        self._stepped.clear()
+        self._ready.clear()
+
+    def _check_torn(self) -> None:
+        if self._torn:
+            raise RuntimeError(
+                f'tieroffload: a backward with overlap="backward" raised after {len(self._torn)}'
+                f" of {len(self.chunks)} chunks had stepped: their parameters hold that step's "
+                "update and the others do not, which no retry can undo; load the last checkpoint "
+                "(tieroffload.load_checkpoint(path, model, opt)) to go on")
+
     @property
     def stepped_in_backward(self) -> bool:
         """True when chunks have stepped during backward and ``step()`` has not followed."""
@@ -496,6 +518,7 @@ class PagedOptimizer(torch.optim.Optimizer):
     def forward_begins(self) -> None:
         """Before the forward whose backward is the last of ``accumulation_steps``, the first
         chunk that backward steps starts in."""
+        self._check_torn()
         if (self.overlap == "backward" and self._backwards + 1 == self.accumulation_steps
                 and self.chunks):
             self._bring_in(self.chunks[-1])
@@ -799,6 +822,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups) or any(
                 len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
             raise ValueError("optimizer state dict does not match this optimizer's param groups")
+        self._torn = []  # every chunk's state and parameters come from what is loaded
         for g, saved in zip(self.param_groups, groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
 

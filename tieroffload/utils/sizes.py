@@ -21,12 +21,14 @@ def parse_bytes(value: int | float | str) -> int:
             raise ValueError(f"a size must be >= 0, not {value!r}")
         n = value
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
         if m is None or m.group(2).upper() not in _UNITS:
             raise ValueError(f"not a size: {value!r} (write e.g. 4096, 512M, 2GiB)")
         n = float(m.group(1)) * _UNITS[m.group(2).upper()]
     if n >= MAX_SIZE:  # inf, 1e400 and anything no machine holds
         raise ValueError(f"a size must be finite and below 2**63 bytes, not {value!r}")
+    if n != int(n):
+        raise ValueError(f"a size is a whole number of bytes, not {value!r} ({n} bytes)")
     return int(n)
 
 
