@@ -73,3 +73,12 @@ def total_norm(params: list[torch.Tensor], norms: Norms, norm_type: float) -> to
     first = norms[id(present[0])][1]
     return torch.linalg.vector_norm(
         torch.stack([n.to(first) for ns in groups.values() for n in ns]), norm_type)
+
+
+def clip_coefficient(total: torch.Tensor, max_norm: float, norm_type: float,
+                     error_if_nonfinite: bool) -> torch.Tensor:
+    """What ``clip_grad_norm_`` multiplies the gradients by, for a total norm ``total``."""
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
+                           "`parameters` is non-finite, so it cannot be clipped")
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -17,7 +17,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from ..compat.tensors import Norms, add_grad_norms, total_norm
+from ..compat.tensors import Norms, add_grad_norms, clip_coefficient, total_norm
 from ..core.units import Unit
 from ..utils.sizes import format_bytes
 
@@ -150,10 +150,7 @@ def clip_paged(params: list[torch.Tensor], max_norm: float, norm_type: float = 2
         resident = [p for p in params if id(p) not in seen]
         add_grad_norms(resident, norm_type, norms, [])
         total = total_norm(params, norms, norm_type)
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
-                               "`parameters` is non-finite, so it cannot be clipped")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
         for p in resident:
             if p.grad is not None:
                 p.grad.mul_(coef.to(p.grad.device))

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..aio.pages import PagePool
 from ..aio.swap import SwapSpace, stable_tag
-from ..compat.tensors import add_grad_norms, total_norm
+from ..compat.tensors import add_grad_norms, clip_coefficient, total_norm
 from ..core.devices import HostBuffers, Transfers
 from ..core.homes import NvmeHome
 from ..core.mover import NBUF, Mover, Ticket, timed_wait
@@ -746,10 +746,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         total = total_norm(present, norms, norm_type)
         if self.scaler is not None:  # the gradients are scaled (by a power of two)
             total = total / self.scaler.scale
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
-                               "`parameters` is non-finite, so it cannot be clipped")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
         resident = [p for p in present if pager is None or id(p) not in seen]
         for p in resident:
             p.grad.mul_(coef.to(p.grad.device))
