@@ -347,6 +347,40 @@ def test_a_backward_that_raises_after_stepping_chunks_stops_training(tmp_path, t
     tieroffload.close(model)
 
 
+def test_a_failed_activation_write_raises_once_then_training_goes_on(shim, tmp_path):
+    """One transient EIO on the write of a saved activation: the pass that meets it raises
+    it, the retried step equals plain PyTorch's, and later passes and close() go on."""
+    out = run_faulty(shim, """
+        torch.manual_seed(0)
+        ref = TinyGPT()
+        model = tieroffload.offload(copy.deepcopy(ref), Policy(
+            params="nvme", nvme_dir=os.environ["TMP_DIR"], device="cpu", cpu_budget="80KiB",
+            io=THREADS, activations="nvme", activation_threshold=0))
+        opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **KW)
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **KW)
+        errors = []
+        for step in range(4):
+            opt_ref.zero_grad(); loss_of(ref, step).backward(); opt_ref.step()
+            if step == 1:
+                arm(writes=1, skip_writes=5)
+            for attempt in range(3):
+                try:
+                    opt.zero_grad(); loss_of(model, step).backward(); opt.step()
+                    break
+                except Exception as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                    disarm()
+        with tieroffload.materialize(model):
+            diff = [n for (n, a), b in zip(ref.named_parameters(), model.parameters())
+                    if not torch.equal(a, b)]
+        tieroffload.close(model)
+        result(errors=errors, failed=failed(), diff=diff)
+    """, tmp_path)
+    assert out["failed"] == 1, out
+    assert len(out["errors"]) == 1 and "Errno 5" in out["errors"][0], out["errors"]
+    assert out["diff"] == [], out
+
+
 # === 2. persistent write error ================================================================
 
 def test_persistent_write_error_raises_the_io_error_every_time(shim, tmp_path):
@@ -550,6 +584,89 @@ def _small_checkpoint(tmp_path, extra=None):
     path = tmp_path / "ckpt"
     tieroffload.save_checkpoint(path, model, opt, extra=extra)
     return path, model, opt
+
+
+def test_a_save_replacing_the_checkpoint_mid_load_is_never_mixed_in(tmp_path, monkeypatch):
+    """Another process saves to the same path while a load runs (an evaluator following a
+    trainer): the load reads the checkpoint it opened, whole, never the weights of one save
+    with the extra of another."""
+    from tieroffload.checkpoint import store
+
+    path, model, opt = _small_checkpoint(tmp_path, extra={"v": 1})
+    first = params_of(model)
+    other = mlp(width=16, depth=2)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.fill_(2.0)
+    verify = store._verify
+
+    def verify_then_replace(ck, meta, data):
+        out = verify(ck, meta, data)
+        tieroffload.save_checkpoint(path, other, extra={"v": 2})  # renamed over `path`
+        return out
+
+    monkeypatch.setattr(store, "_verify", verify_then_replace)
+    fresh = mlp(width=16, depth=2)
+    assert tieroffload.load_checkpoint(path, fresh) == {"v": 1}
+    assert_same(first, params_of(fresh), "parameters loaded while a save replaced them")
+    monkeypatch.setattr(store, "_verify", verify)
+    assert tieroffload.load_checkpoint(path, fresh) == {"v": 2}
+
+
+@pytest.mark.parametrize("plant", ["fifo", "symlink", "foreign-owner"])
+def test_a_checkpoint_with_planted_files_is_refused(tmp_path, plant):
+    """Nothing inside a checkpoint is followed or waited on, and a directory another user owns
+    is not loaded: each is a CheckpointError naming the file, with nothing changed."""
+    if plant == "foreign-owner" and os.geteuid() != 0:
+        pytest.skip("needs root to give a folder to another user")
+    path, model, opt = _small_checkpoint(tmp_path, extra={"v": 1})
+    if plant == "fifo":
+        os.remove(path / "manifest.json")
+        os.mkfifo(path / "manifest.json")
+        words = "manifest.json is not a regular file"
+    elif plant == "symlink":
+        (tmp_path / "elsewhere.bin").write_bytes((path / "tensors.bin").read_bytes())
+        os.remove(path / "tensors.bin")
+        os.symlink(tmp_path / "elsewhere.bin", path / "tensors.bin")
+        words = "tensors.bin is a symbolic link"
+    else:
+        for name in [path, *path.iterdir()]:
+            os.chown(name, 65534, 65534)
+        words = "belongs to uid 65534"
+    before = params_of(model)
+    with pytest.raises(CheckpointError, match=words):
+        tieroffload.load_checkpoint(path, model, opt)
+    assert_same(before, params_of(model), "parameters after a refused load")
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["exchange", "two_renames"])
+def test_a_failed_switch_leaves_the_previous_checkpoint_in_place(tmp_path, monkeypatch, swap):
+    """The last step of a save fails (EIO on the rename, or on the swap where the file system
+    offers one): the previous checkpoint is still at ``path``, whole, and nothing is left
+    beside it."""
+    from tieroffload.checkpoint import store
+
+    path, model, opt = _small_checkpoint(tmp_path, extra={"v": 1})
+    before = params_of(model)
+
+    def fail(*args):
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    if swap:
+        monkeypatch.setattr(store, "exchange", fail)
+    else:
+        monkeypatch.setattr(store, "exchange", lambda a, b: False)
+        rename = os.rename
+        monkeypatch.setattr(store.os, "rename", lambda a, b: fail() if ".tmp-" in str(a)
+                            else rename(a, b))
+    other = mlp(width=16, depth=2)
+    with pytest.raises(OSError, match="injected"):
+        tieroffload.save_checkpoint(path, other, extra={"v": 2})
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    fresh = mlp(width=16, depth=2)
+    assert tieroffload.load_checkpoint(path, fresh) == {"v": 1}
+    assert_same(before, params_of(fresh), "the previous checkpoint's parameters")
 
 
 def test_malicious_pickle_in_extra_does_not_run(tmp_path):

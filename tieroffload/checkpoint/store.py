@@ -7,16 +7,20 @@ non-tensor state and the caller's ``extra``: plain types and tensors only, loade
 ``weights_only=True`` so that a crafted file cannot run code, and checksummed like the tensors).
 Everything is private to the user (0700 directories, 0600 files).
 
-It is written under ``<path>.tmp-<pid>``, fsynced, and renamed into place: a failure (a full
-disk) leaves the previous checkpoint as it was. A kill between moving the old one aside and
-moving the new one in leaves no ``<path>`` but a complete copy beside it, which the next load or
-save puts back in place; leftovers of dead processes are then removed, a live one's never.
+It is written under ``<path>.tmp-<pid>``, fsynced, and swapped into place in one step
+(renameat2's RENAME_EXCHANGE), so a reader of ``<path>`` meets the old checkpoint or the new,
+never none: a failure (a full disk) leaves the previous one as it was. Where the file system
+cannot swap, the old one is moved aside first; a kill between the two renames then leaves no
+``<path>`` but a complete copy beside it, which the next load or save puts back in place.
+Leftovers of dead processes are then removed, a live one's never. A load reads through
+descriptors it opened once, so a save that replaces ``<path>`` meanwhile is never mixed in.
 Loading checks the whole manifest against the model and the optimizer, and the sizes and
 checksums of everything, before it changes anything.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import math
@@ -31,6 +35,7 @@ from torch import nn
 
 from ..optim.paged import PagedOptimizer
 from ..utils.dist import distributed
+from ..utils.paths import exchange
 
 FORMAT = "tieroffload-checkpoint"
 VERSION = 1
@@ -72,12 +77,12 @@ def _mkdir(path: str) -> None:
     os.chmod(path, 0o700)  # whatever the umask
 
 
-def _crc(path: str) -> tuple[int, int]:
-    """(bytes, CRC-32) of a file."""
+def _crc(f: BinaryIO) -> tuple[int, int]:
+    """(bytes, CRC-32) of an open file, from its start."""
     crc = n = 0
-    with open(path, "rb") as f:
-        while block := f.read(READ):
-            crc, n = zlib.crc32(block, crc), n + len(block)
+    f.seek(0)
+    while block := f.read(READ):
+        crc, n = zlib.crc32(block, crc), n + len(block)
     return n, crc
 
 
@@ -115,9 +120,7 @@ def _recover(path: str) -> None:
     if not os.path.exists(path):
         complete = []
         for d, _ in dead:
-            try:
-                _read_manifest(d)
-            except CheckpointError:
+            if not _complete(d):
                 continue
             new = ".tmp-" in d[len(path):]
             complete.append((new, os.path.getmtime(os.path.join(d, "manifest.json")), d))
@@ -186,12 +189,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
                 f.flush()
                 os.fsync(f.fileno())
             _fsync_dir(tmp)
-            old = f"{path}.old-{os.getpid()}"
-            if os.path.exists(path):
-                os.rename(path, old)
-            os.rename(tmp, path)
-            _fsync_dir(parent)
-            shutil.rmtree(old, ignore_errors=True)
+            _replace(tmp, path, parent)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -199,6 +197,27 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     finally:
         if dist:
             dist.barrier()  # nobody goes on before the checkpoint is in place
+
+
+def _replace(tmp: str, path: str, parent: str) -> None:
+    """Puts the complete checkpoint ``tmp`` in place of ``path``: in one step where the file
+    system can (a reader of ``path`` sees the old or the new, never none), else by moving the
+    old aside first. The old one is then removed; a failure leaves ``path`` as it was."""
+    if os.path.lexists(path) and exchange(tmp, path):
+        _fsync_dir(parent)
+        shutil.rmtree(tmp, ignore_errors=True)  # the old checkpoint, now
+        return
+    old = f"{path}.old-{os.getpid()}"
+    if os.path.lexists(path):
+        os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        if os.path.lexists(old):
+            os.rename(old, path)
+        raise
+    _fsync_dir(parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write(tmp: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -260,25 +279,109 @@ def _write(tmp: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         raise CheckpointError(f"extra holds a value that cannot be saved and loaded safely "
                               f"(use dicts, lists, numbers, strings and tensors): "
                               f"{e}".splitlines()[0]) from e
-    nbytes, crc = _crc(epath)
+    with open(epath, "rb") as f:
+        nbytes, crc = _crc(f)
     return {"format": FORMAT, "version": VERSION, "size": size, "tensors": w.entries,
             "extra": {"nbytes": nbytes, "crc32": crc}}
 
 
-def _read_manifest(path: str) -> dict[str, Any]:
-    mpath = os.path.join(path, "manifest.json")
-    if not os.path.isdir(path):
-        raise CheckpointError(f"no checkpoint at {path}")
+MAX_MANIFEST = 1 << 30  # bytes of manifest.json: about 5 M tensors
+
+
+class _Opened:
+    """A checkpoint directory opened once. Its files are read through descriptors taken from
+    it, so a save that replaces ``path`` meanwhile is never mixed in: a load reads one
+    checkpoint whole, or fails. Only the caller's own (or root's) directory and regular files
+    are read: no symlink inside it, no FIFO or device, nothing another user could have
+    planted."""
+
+    def __init__(self, path: str, parent: _Opened | None = None) -> None:
+        """``path``, or (with ``parent``) its last part inside the parent opened."""
+        self.path = path
+        # ``path`` may be a symbolic link (``latest -> step-1000``): its target's owner is
+        # checked; inside, nothing is followed.
+        where, flags = ((os.path.basename(path), os.O_NOFOLLOW) if parent is not None
+                        else (path, 0))
+        try:
+            self.fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | flags,
+                              dir_fd=parent.fd if parent is not None else None)
+        except OSError as e:
+            raise CheckpointError(f"no checkpoint at {path} ({e.strerror})") from e
+        self._files: list[BinaryIO] = []
+        try:
+            self._check_owner(os.fstat(self.fd), path)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _check_owner(st: os.stat_result, what: str) -> None:
+        if st.st_uid not in (os.geteuid(), 0):
+            raise CheckpointError(
+                f"checkpoint {what} belongs to uid {st.st_uid}, not to this user (uid "
+                f"{os.geteuid()}) or root: another user could have planted it; copy it into a "
+                "directory of your own to load it")
+
+    def open(self, name: str) -> BinaryIO:
+        """A file of the checkpoint, opened for reading, closed with the checkpoint."""
+        where = os.path.join(self.path, name)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=self.fd)
+        except OSError as e:
+            why = "is a symbolic link, never followed" if e.errno == errno.ELOOP else \
+                f"cannot be opened: {e.strerror}"
+            raise CheckpointError(f"checkpoint file {where} {why}") from e
+        f = os.fdopen(fd, "rb")
+        self._files.append(f)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"checkpoint file {where} is not a regular file")
+        self._check_owner(st, where)
+        return f
+
+    def manifest(self) -> dict[str, Any]:
+        f = self.open("manifest.json")
+        where = os.path.join(self.path, "manifest.json")
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_MANIFEST:
+            raise CheckpointError(f"checkpoint manifest {where} has {size} bytes, over the "
+                                  f"{MAX_MANIFEST} a manifest can need")
+        try:
+            meta = json.loads(f.read())
+        except (ValueError, RecursionError) as e:
+            raise CheckpointError(f"checkpoint manifest {where} is unreadable: "
+                                  f"{type(e).__name__}") from e
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT \
+                or meta.get("version") != VERSION:
+            raise CheckpointError(f"{where} is not a {FORMAT} version {VERSION}")
+        return meta
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
+        self._files = []
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> _Opened:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _complete(path: str) -> bool:
+    """``path`` holds a checkpoint whose manifest and data size are whole."""
     try:
-        with open(mpath) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint manifest {mpath} is missing or unreadable: {e}") from e
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise CheckpointError(f"{mpath} is not a {FORMAT} version {VERSION}")
-    if "ranks" not in meta:
-        _check_size(path, meta)
-    return meta
+        with _Opened(path) as ck:
+            meta = ck.manifest()
+            if "ranks" not in meta:
+                _check_size(ck, meta)
+    except CheckpointError:
+        return False
+    return True
 
 
 # The dtypes a checkpoint may hold: what parameters, buffers and optimizer state use.
@@ -288,13 +391,15 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (
 SCALAR_DTYPES = ("float32", "float64", "int64")  # an optimizer's step count
 
 
-def _check_size(path: str, meta: dict[str, Any]) -> None:
+def _check_size(ck: _Opened, meta: dict[str, Any]) -> BinaryIO:
     """The data file has the manifest's size, and every entry is well formed and lies inside
     it: a known dtype, a shape of sizes, exactly its elements' bytes (a short entry would
-    leave the rest of a tensor unread and unchecked)."""
+    leave the rest of a tensor unread and unchecked). Returns the data file, open."""
+    path = ck.path
     data = os.path.join(path, "tensors.bin")
-    size = os.path.getsize(data) if os.path.exists(data) else -1
-    if size != meta["size"]:
+    f = ck.open("tensors.bin")
+    size = os.fstat(f.fileno()).st_size
+    if size != meta.get("size"):
         raise CheckpointError(f"checkpoint data {data} is truncated: {size} bytes, the "
                               f"manifest says {meta['size']}")
     for e in meta["tensors"]:
@@ -313,32 +418,36 @@ def _check_size(path: str, meta: dict[str, Any]) -> None:
                 f"checkpoint {path}: {key} ({e['dtype']}{shape}) claims bytes "
                 f"{offset}..{offset + nbytes}; it needs {want} bytes inside the {size} of "
                 "tensors.bin")
+    return f
 
 
-def _verify(path: str, meta: dict[str, Any]) -> None:
+def _verify(ck: _Opened, meta: dict[str, Any], data: BinaryIO) -> BinaryIO:
+    """Checks the sizes and checksums of ``extra.pt`` and of every tensor in ``data``; returns
+    ``extra.pt``, open."""
+    path = ck.path
     extra = meta.get("extra")
     if extra is None:
         raise CheckpointError(f"checkpoint {path} has no checksum of extra.pt (saved by an "
                               "older tieroffload): save it again")
-    epath = os.path.join(path, "extra.pt")
-    got = _crc(epath) if os.path.isfile(epath) else (-1, -1)
+    ef = ck.open("extra.pt")
+    got = _crc(ef)
     if got != (extra["nbytes"], extra["crc32"]):
         raise CheckpointError(f"checkpoint {path} is corrupt: extra.pt ({got[0]} bytes) fails "
                               f"its checksum")
-    with open(os.path.join(path, "tensors.bin"), "rb") as f:
-        for e in meta["tensors"]:
-            f.seek(e["offset"])
-            crc, left = 0, e["nbytes"]
-            while left:
-                block = f.read(min(READ, left))
-                if not block:
-                    break
-                crc = zlib.crc32(block, crc)
-                left -= len(block)
-            if left or crc != e["crc32"]:
-                raise CheckpointError(f"checkpoint {path} is corrupt: {e['key']} (bytes "
-                                      f"{e['offset']}..{e['offset'] + e['nbytes']}) fails its "
-                                      "checksum")
+    for e in meta["tensors"]:
+        data.seek(e["offset"])
+        crc, left = 0, e["nbytes"]
+        while left:
+            block = data.read(min(READ, left))
+            if not block:
+                break
+            crc = zlib.crc32(block, crc)
+            left -= len(block)
+        if left or crc != e["crc32"]:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {e['key']} (bytes "
+                                  f"{e['offset']}..{e['offset'] + e['nbytes']}) fails its "
+                                  "checksum")
+    return ef
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module,
@@ -352,20 +461,29 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         _recover(path)  # a save killed half way: put its complete copy back, clear leftovers
     if dist:
         dist.barrier()
-    meta = _read_manifest(path)
-    if "ranks" in meta:  # saved by several ranks: this rank reads its own part
-        world = dist.get_world_size() if dist else 1
+    with _Opened(path) as top:
+        meta = top.manifest()
+        if "ranks" not in meta:
+            return _load(top, meta, model, optimizer)
+        world = dist.get_world_size() if dist else 1  # saved by several ranks: read our part
         if world != meta["world_size"]:
             raise CheckpointError(f"checkpoint {path} was saved by {meta['world_size']} ranks; "
                                   f"this run has {world}")
         rank = dist.get_rank()
-        path = os.path.join(path, f"rank{rank}")
-        meta = meta["ranks"][rank]
-        _check_size(path, meta)
-    _verify(path, meta)
+        with _Opened(os.path.join(path, f"rank{rank}"), top) as part:
+            return _load(part, meta["ranks"][rank], model, optimizer)
+
+
+def _load(ck: _Opened, meta: dict[str, Any], model: nn.Module,
+          optimizer: torch.optim.Optimizer | None) -> Any:
+    """``load_checkpoint`` from one opened directory and its manifest."""
+    path = ck.path
+    f = _check_size(ck, meta)
+    ef = _verify(ck, meta, f)
     entries = {e["key"]: e for e in meta["tensors"]}
     try:
-        saved = torch.load(os.path.join(path, "extra.pt"), weights_only=True)
+        ef.seek(0)
+        saved = torch.load(ef, weights_only=True)
     except Exception as e:
         raise CheckpointError(f"checkpoint {path}: extra.pt is unreadable: {e}") from e
     state = getattr(model, "_tieroffload", None)
@@ -381,28 +499,32 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
                                   f"model has {p.dtype}{list(p.shape)}")
     if optimizer is not None:
         _check_optimizer(path, optimizer, saved, entries)
-    with open(os.path.join(path, "tensors.bin"), "rb") as f:
-        def fill(t: torch.Tensor, key: str) -> None:
-            e = entries[key]
-            f.seek(e["offset"])
-            host = torch.empty(t.shape, dtype=t.dtype)  # see _bytes
-            f.readinto(memoryview(host.view(-1).view(torch.uint8).numpy()))
-            t.copy_(host)
 
-        with torch.no_grad():
-            if state is not None:
-                for u in state.units:
-                    with state.resident([u], writeback=state.mover is not None):
-                        for name, p in zip(u.names, u.params):
-                            fill(p.data, f"param/{name}")
-                        state.mark_loaded(u.params)
-            else:
-                for name, p in model.named_parameters():
-                    fill(p.data, f"param/{name}")
-            for name, b in model.named_buffers():
-                fill(b, f"buffer/{name}")
-        if optimizer is not None:
-            _load_optimizer(optimizer, saved, entries, fill)
+    def fill(t: torch.Tensor, key: str) -> None:
+        """From the data file opened and checked above: the bytes the checksums covered."""
+        e = entries[key]
+        f.seek(e["offset"])
+        host = torch.empty(t.shape, dtype=t.dtype)  # see _bytes
+        got = f.readinto(memoryview(host.view(-1).view(torch.uint8).numpy()))
+        if got != e["nbytes"]:
+            raise CheckpointError(f"checkpoint {path}: {key} read {got} of its "
+                                  f"{e['nbytes']} bytes")
+        t.copy_(host)
+
+    with torch.no_grad():
+        if state is not None:
+            for u in state.units:
+                with state.resident([u], writeback=state.mover is not None):
+                    for name, p in zip(u.names, u.params):
+                        fill(p.data, f"param/{name}")
+                    state.mark_loaded(u.params)
+        else:
+            for name, p in model.named_parameters():
+                fill(p.data, f"param/{name}")
+        for name, b in model.named_buffers():
+            fill(b, f"buffer/{name}")
+    if optimizer is not None:
+        _load_optimizer(optimizer, saved, entries, fill)
     return saved["extra"]
 
 

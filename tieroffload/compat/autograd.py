@@ -27,8 +27,12 @@ def grad_node(t: torch.Tensor) -> Any:
 
 
 def will_execute(node: Any) -> bool:
-    """Whether the running backward pass executes ``node`` (call it during backward)."""
-    return torch._C._will_engine_execute_node(node)
+    """Whether the running backward pass executes ``node`` (call it during backward). A leaf's
+    node under ``torch.autograd.grad``, which torch will not say, counts as executed."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # "A leaf node was passed ... running autograd.grad()"
+        return True
 
 
 def at_backward_end(fn: Callable[[], None]) -> None:

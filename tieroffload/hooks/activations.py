@@ -285,7 +285,16 @@ class ActivationPager:
             if ticket is not None:
                 timed_wait(ticket, self.stats)
                 continue
-            r.write.wait()  # re-raises what the worker met
+            try:
+                r.write.wait()  # re-raises what the worker met
+            except BaseException:
+                # Raised once: the record keeps its source (unpacked from memory, as if never
+                # paged) and leaves the queue, so later passes and close() go on.
+                with self._lock:
+                    self._writing.pop(0)
+                    self._inflight -= r.nbytes
+                    self._free(r)
+                raise
             with self._lock:
                 self._writing.pop(0)
                 self._inflight -= r.nbytes

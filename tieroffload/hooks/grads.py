@@ -29,6 +29,7 @@ class GradPager:
         self.mover = mover
         self.stats = stats
         self.buffers: dict[int, Unit] = {}
+        self._params: dict[int, list[torch.nn.Parameter]] = {}  # see _grad_params
         self.has: dict[int, list[bool]] = {}  # per parameter: a gradient is stored
         self.finite: dict[int, bool] = {}  # per unit: its stored gradients hold no inf/NaN
         # Per unit: clip coefficients of a plain optimizer's clip_grad_norm_ not yet applied to
@@ -45,13 +46,18 @@ class GradPager:
                 g.adopt_flat(swap.align)
             g.free()
             self.buffers[u.id] = g
+            self._params[u.id] = [p for p in u.params if p.requires_grad]
             self.has[u.id] = [False] * len(grads)
         # Pages of gradients written out, for the next unit's: one unit's worth at most.
         self.pool = PagePool(max((g.flat.numel() for g in self.buffers.values()
                                   if g.flat is not None), default=0))
 
     def _grad_params(self, u: Unit) -> list[torch.nn.Parameter]:
-        return [p for p in u.params if p.requires_grad]
+        """The parameters whose gradients the unit's buffer holds, in its segments' order: those
+        that required grad at offload, whatever ``requires_grad`` says now (a parameter frozen
+        after a step keeps its stored gradient for that step's deferred update)."""
+        g = self.buffers.get(u.id)
+        return [] if g is None else self._params[u.id]
 
     def page_out(self, u: Unit) -> None:
         """Hands the unit's fresh gradients to the mover thread, which adds them to the stored
@@ -91,6 +97,14 @@ class GradPager:
         self.pending.append(self.mover.submit(job))
         while len(self.pending) > self.DEPTH:
             timed_wait(self.pending.popleft(), self.stats)
+
+    def store_set_by_hand(self, units: list[Unit]) -> None:
+        """Stores what ``p.grad`` holds outside backward (set by hand: gradient surgery, a
+        custom all-reduce) as backward's own gradients are stored: added to what is there."""
+        for u in units:
+            if any(p.grad is not None for p in self._grad_params(u)):
+                self.page_out(u)
+        self.flush()
 
     def flush(self) -> None:
         """Waits until every gradient handed out is stored."""

@@ -150,11 +150,24 @@ class PassHooks:
                                lambda: self._post_backward(units))
         return hook
 
+    def _nothing_leaves(self) -> bool:
+        """No unit can be evicted now: the budget holds them all, or all are held."""
+        return (sum(u.nbytes for u in self.units) <= self.budget
+                or all(u.pins > 0 for u in self.units))
+
     def backward_raised(self) -> bool:
         """The last backward over the model raised (its end-of-backward callback never ran)."""
         return self._bwd_callback_queued and not in_backward()
 
     def _pre_backward(self, units: list[Unit]) -> None:
+        if torch.is_grad_enabled() and not self._nothing_leaves():
+            # create_graph=True: the graph of the gradients saves views of the weights, which
+            # a later backward through it reads after their units may have gone.
+            raise RuntimeError(
+                "tieroffload: a backward with create_graph=True (a gradient penalty, a double "
+                "backward) over offloaded parameters: the graph of the gradients keeps views of "
+                "weights that are paged out after it; run it inside tieroffload.materialize("
+                "model), or raise the budget to hold the whole model")
         if not self._bwd_callback_queued:
             self._bwd_callback_queued = True
             at_backward_end(self._end_backward)

@@ -64,6 +64,7 @@ class StepHooks:
         # paged optimizer's chunks get theirs from it).
         grads = self.grads is not None and not getattr(optimizer, "_tieroffload_inner", False)
         if grads:
+            self.grads.store_set_by_hand(units)
             self.grads.bring_in(units)
         self._opt_pins[id(optimizer)] = (units, grads)
 

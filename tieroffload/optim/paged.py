@@ -406,6 +406,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._resume = False
             return loss
         self._backwards = 0
+        if self.offload.grads is not None:
+            self.offload.grads.store_set_by_hand([u for c in self.chunks for u in c.units])
         for shard in self.offload.shards:
             shard.pull_grad()
         chunks = self.chunks
@@ -765,6 +767,16 @@ class PagedOptimizer(torch.optim.Optimizer):
     @property
     def skipped_steps(self) -> int:
         return 0 if self.scaler is None else self.scaler.skipped
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """The groups are fixed once built (its chunks and their state are laid out for them):
+        a group added later is refused, not left unstepped."""
+        if getattr(self, "chunks", None) is None:  # torch's __init__ adds the first groups
+            return super().add_param_group(param_group)
+        raise ValueError(
+            "tieroffload: a paged optimizer's parameter groups are fixed once built (its chunks "
+            "are laid out for them): build tieroffload.optimizer(model, cls, params=[...every "
+            "group...]) again, or step the new parameters with an optimizer of their own")
 
     def deferred_units(self) -> list[Unit]:
         """The units of the chunks whose update is deferred: their stored gradients are taken."""

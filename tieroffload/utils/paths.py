@@ -1,8 +1,15 @@
-"""The one rule for directory arguments such as ``nvme_dir``: one path, or one per drive."""
+"""The one rule for directory arguments such as ``nvme_dir``: one path, or one per drive; and
+swapping two paths in one step."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def directories(value: str | os.PathLike | list | tuple | None, what: str = "nvme_dir"
@@ -16,3 +23,18 @@ def directories(value: str | os.PathLike | list | tuple | None, what: str = "nvm
             raise ValueError(f"{what} is an empty list")
         return [os.fspath(d) for d in value]
     return [os.fspath(value)]
+
+
+def exchange(a: str, b: str) -> bool:
+    """Swaps the paths ``a`` and ``b`` (both exist) in one step: Linux's renameat2 with
+    RENAME_EXCHANGE, so a reader of ``b`` sees the old or the new, never nothing. False where
+    the C library or the file system cannot (the caller then renames twice)."""
+    renameat2 = getattr(_libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
