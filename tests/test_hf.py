@@ -831,3 +831,97 @@ def test_save_pretrained_of_an_offloaded_model_equals_plain(tmp_path):
     sd = model.state_dict()
     assert sd["lm_head.weight"] is sd["transformer.wte.weight"]  # tied, as plain PyTorch
     tieroffload.close(model)
+
+
+# -- found by a second outside trial ----------------------------------------------------------
+
+def _params_equal(ref, model):
+    with tieroffload.materialize(model):
+        for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("grads", ["cpu", "nvme"])
+def test_freezing_after_a_deferred_step_keeps_its_update(grads, tmp_path):
+    """GAN-style: step, freeze a block, train on, unfreeze. The step deferred to the next
+    forward still updates the frozen block, as plain PyTorch's step already did."""
+    ref, model = pair(gpt2, tmp_path, grads=grads, optimizer="nvme")
+    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **adamw_kw())
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, **adamw_kw())
+    for step in range(3):
+        for m, o in ((ref, opt_ref), (model, opt)):
+            o.zero_grad()
+            lm_loss(m, tokens(step)).backward()
+            o.step()
+            blocks(m)[0].requires_grad_(step % 2 == 1)  # frozen after steps 0 and 2
+    _params_equal(ref, model)
+    opt.close()
+    tieroffload.close(model)
+
+
+def test_add_param_group_to_a_paged_optimizer_is_refused(tmp_path):
+    ref, model = pair(gpt2, tmp_path, optimizer="nvme")
+    params = list(model.parameters())
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, params=params[:4], lr=1e-2)
+    with pytest.raises(ValueError, match="parameter groups are fixed"):
+        opt.add_param_group({"params": params[4:], "lr": 5e-3})
+    opt.close()
+    tieroffload.close(model)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged_opt", "torch_opt"])
+def test_gradients_set_by_hand_are_stepped(paged, tmp_path):
+    """Gradient surgery with grads="nvme": p.grad set from torch.autograd.grad, then step."""
+    ref, model = pair(gpt2, tmp_path, grads="nvme", optimizer="nvme")
+    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **adamw_kw())
+    opt = (tieroffload.optimizer(model, torch.optim.AdamW, **adamw_kw()) if paged
+           else torch.optim.AdamW(model.parameters(), fused=True, **adamw_kw()))
+    for step in range(2):
+        for m, o in ((ref, opt_ref), (model, opt)):
+            ps = list(m.parameters())
+            for p, g in zip(ps, torch.autograd.grad(lm_loss(m, tokens(step)), ps)):
+                p.grad = g * 0.5
+            o.step()
+            o.zero_grad()
+    _params_equal(ref, model)
+    tieroffload.close(model)
+
+
+def _input_gradient_penalty(model, x):
+    g, = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
+    return g.square().sum()
+
+
+@pytest.mark.parametrize("budget", ["tight", "whole"])
+def test_input_gradient_penalty(budget, tmp_path):
+    """A backward with create_graph=True (WGAN-GP): with units that may leave it is refused
+    (the gradients' graph keeps views of the weights); with the whole model held it equals
+    plain PyTorch."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)],
+                        nn.Linear(64, 1))
+    kw = {"cpu_budget": "1MiB" if budget == "whole" else tight_budget(ref)}
+    model = tieroffload.offload(copy.deepcopy(ref), nvme_policy(tmp_path, **kw))
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    if budget == "tight":
+        with pytest.raises(RuntimeError, match="create_graph=True.*materialize"):
+            _input_gradient_penalty(model, (x * 1.0).requires_grad_())
+    else:
+        for m in (ref, model):
+            _input_gradient_penalty(m, x.clone().requires_grad_()).backward()
+        for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad), n
+    tieroffload.close(model)
+
+
+def test_gradient_to_a_leaf_input(tmp_path):
+    """torch.autograd.grad(loss, x) where x, a leaf, goes straight into an offloaded module
+    (saliency maps, FGSM)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = tieroffload.offload(copy.deepcopy(ref), nvme_policy(tmp_path, ref))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+    want, = torch.autograd.grad(ref(x.requires_grad_()).sum(), x)
+    got, = torch.autograd.grad(model(x).sum(), x)
+    assert torch.equal(got, want)
+    tieroffload.close(model)
