@@ -1040,9 +1040,24 @@ def test_bad_engine_counts(kw):
 
 
 @pytest.mark.parametrize("kw", [dict(prefetch=-1), dict(io={"threads": 0}),
-                                dict(io={"queue_depth": -1}), dict(activation_threshold=-1)])
+                                dict(io={"queue_depth": -1}), dict(activation_threshold=-1),
+                                dict(checksum="no"), dict(adapt="false"), dict(lend_core=1),
+                                dict(io="threads"), dict(params="nvme", nvme_dir=b"/tmp"),
+                                dict(params="nvme", nvme_dir=123)])
 def test_bad_policy_counts(kw):
-    _one_line_value_error(lambda: Policy(**kw))
+    msg = _one_line_value_error(lambda: Policy(**kw))
+    assert next(iter(kw if len(kw) == 1 else ["nvme_dir"])) in msg
+
+
+@pytest.mark.parametrize("scale", [0, -1.0, float("nan"), float("inf"), 1e-45, "fixed", True])
+def test_bad_loss_scales(tmp_path, scale):
+    """A loss scale of 0 divided every step by zero, nan or inf skipped every step for ever,
+    1e-45 made the parameters NaN: each is refused where it is given."""
+    model = tieroffload.offload(mlp(width=16, depth=2), nvme_policy(tmp_path))
+    msg = _one_line_value_error(lambda: tieroffload.optimizer(
+        model, torch.optim.AdamW, loss_scale=scale))
+    assert "loss_scale" in msg
+    tieroffload.close(model)
 
 
 def test_bad_nbytes(tmp_path):

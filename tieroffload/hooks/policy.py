@@ -98,6 +98,16 @@ class BasePolicy:
         if "nvme" in (self.params, self.optimizer, self.activations) and not self.nvme_dir:
             raise ValueError('params, optimizer or activations on "nvme" need nvme_dir, the '
                              "directory for the swap space")
+        for name in ("adapt", "lend_core", "checksum"):  # "no" would switch it on
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}")
+        if not isinstance(self.io, (IOConfig, dict)):
+            raise ValueError(f"io must be an IOConfig or a dict of its fields, not {self.io!r}")
+        for d in (self.nvme_dir if isinstance(self.nvme_dir, (list, tuple)) else
+                  [self.nvme_dir] if self.nvme_dir is not None else []):
+            if not isinstance(d, (str, os.PathLike)):
+                raise ValueError(f"nvme_dir must be a path (str or os.PathLike) or a list of "
+                                 f"them, not {d!r}")
         set_ = object.__setattr__  # frozen: normalise once, here
         set_(self, "gpu_budget", _budget("gpu_budget", self.gpu_budget))
         set_(self, "cpu_budget", _budget("cpu_budget", self.cpu_budget))

@@ -119,6 +119,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         fp16 = any(p.dtype == torch.float16 for c in self.chunks for p in c.params)
         if loss_scale == "auto":
             loss_scale = "dynamic" if fp16 else None
+        if loss_scale not in (None, "dynamic"):
+            if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) \
+                    or not 1.0 <= loss_scale <= 2.0**64:
+                raise ValueError(f'loss_scale must be "auto", "dynamic", None or a number from 1 '
+                                 f"to 2**64 (a power of two keeps it exact), not {loss_scale!r}")
         self.scaler = (None if loss_scale is None else LossScale() if loss_scale == "dynamic"
                        else LossScale(float(loss_scale), dynamic=False))
         if overlap not in (True, False, "backward"):
