@@ -488,6 +488,30 @@ def test_a_corrupt_swap_block_is_an_error_naming_the_unit_and_offset(tmp_path, w
     tieroffload.close(model, restore=False)
 
 
+def test_a_corrupt_saved_activation_is_an_error_naming_it_and_its_offset(tmp_path):
+    """Policy(checksum=True) with activations on NVMe: a byte flipped in a saved activation
+    between forward and backward makes backward raise an EIO naming the activation and the
+    offset, instead of giving wrong gradients."""
+    torch.manual_seed(0)
+    model = tieroffload.offload(TinyGPT(), nvme_policy(
+        tmp_path, checksum=True, activations="nvme", activation_threshold=0))
+    loss = model(batch(0)).float().square().mean()
+    pager = model._tieroffload.activations
+    pager.retire(block=True)  # every record written
+    r = next(q for q in (ref() for ref in pager._order) if q is not None and q.offset)
+    with open(pager.swap.path, "r+b") as f:
+        f.seek(r.offset + 2)
+        b = f.read(1)
+        f.seek(r.offset + 2)
+        f.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(OSError) as ei:
+        loss.backward()
+    msg = str(ei.value)
+    assert ei.value.errno == errno.EIO and "checksum" in msg, msg
+    assert f"saved activation {r.seq}" in msg and str(r.offset) in msg, msg
+    tieroffload.close(model, restore=False)
+
+
 def test_checksums_change_no_result(tmp_path):
     torch.manual_seed(0)
     ref = TinyGPT()

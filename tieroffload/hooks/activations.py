@@ -15,10 +15,12 @@ Unlike ``torch.autograd.graph.save_on_cpu`` the copies overlap compute, and NVMe
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import threading
 import weakref
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -26,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from .. import aio
+from ..aio.engine import error_for
 from ..aio.swap import SwapSpace
 from ..compat.tensors import storage_key, version
 from ..core.mover import Mover, Ticket, timed_wait
@@ -50,7 +53,7 @@ class _Record:
     """One saved storage: in memory until written, then in the tier until read back."""
 
     __slots__ = ("seq", "nbytes", "padded", "source", "host", "offset", "write", "read",
-                 "restored", "pending", "refs", "dead", "__weakref__")
+                 "restored", "pending", "refs", "dead", "crc", "__weakref__")
 
     def __init__(self, seq: int, source: torch.UntypedStorage, padded: int) -> None:
         self.seq = seq
@@ -65,6 +68,7 @@ class _Record:
         self.pending = 0  # handles not yet unpacked since the last read
         self.refs = 0     # live handles
         self.dead = False
+        self.crc: int | None = None  # of the bytes written (Policy(checksum=True))
 
 
 class _Handle:
@@ -96,7 +100,8 @@ class ActivationPager:
     def __init__(self, tier: str, device: torch.device, threshold: int,
                  window: tuple[int, int | None], swap: SwapSpace | None,
                  param_storages: Callable[[], Iterable[torch.Tensor]],
-                 delay: Callable[[], None] | None = None, max_inflight: int = 256 << 20) -> None:
+                 delay: Callable[[], None] | None = None, max_inflight: int = 256 << 20,
+                 checksum: bool = False) -> None:
         if tier not in ("cpu", "nvme"):
             raise ValueError(f'activations must be "cpu", "nvme" or None, not {tier!r}')
         self.tier = tier
@@ -107,6 +112,7 @@ class ActivationPager:
         self.swap = swap
         self.params = param_storages
         self.max_inflight = max_inflight
+        self.checksum = checksum and tier == "nvme"  # CRC-32 of each record, checked on read
         self.stats = ActivationStats()
         self.active = not (tier == "cpu" and not self.cuda)
         if not self.active:
@@ -215,6 +221,8 @@ class ActivationPager:
             host[:r.nbytes].copy_(src, non_blocking=self.cuda)
             if self.cuda:
                 torch.cuda.current_stream().synchronize()
+            if self.checksum:
+                r.crc = zlib.crc32(host[:r.nbytes].numpy())
             if file is not None:
                 file.pwrite(host, offset, r.padded).result()
 
@@ -237,6 +245,10 @@ class ActivationPager:
             if file is not None:
                 buf = aio.aligned_empty(r.padded, pin=self.cuda)
                 file.pread(buf, offset, r.padded).result()
+                if r.crc is not None and zlib.crc32(buf[:r.nbytes].numpy()) != r.crc:
+                    raise error_for(errno.EIO, f"checksum mismatch: the {r.nbytes} bytes of "
+                                    f"saved activation {r.seq} read back differ from those "
+                                    "written", file.path, offset)
             if dst is None:
                 r.restored = buf.untyped_storage()
                 return

@@ -48,9 +48,10 @@ class BasePolicy:
     ``lend_core``: with params on NVMe and compute on the CPU, compute runs on one thread fewer
     while it is behind its reads, leaving the reads a core (``tieroffload.threads``); off by
     default, as results then differ in the last bits from a run at a fixed thread count.
-    ``checksum``: a CRC-32 of each unit (parameters, gradients, optimizer state) written to
-    NVMe, checked when it is read back: a hole or a bad block raises an EIO naming the unit,
-    the file and the offset instead of training on zeros (costs a CRC pass over every byte
+    ``checksum``: a CRC-32 of each unit (parameters, gradients, optimizer state) and of each
+    saved activation written to NVMe, checked when it is read back: a hole or a bad block
+    raises an EIO naming the unit (or activation), the file and the offset instead of training
+    on zeros (costs a CRC pass over every byte
     moved; see bench/README.md).
     """
 

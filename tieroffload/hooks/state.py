@@ -157,7 +157,7 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
         self.activations = ActivationPager(
             policy.activations, self.device, policy.activation_threshold,
             policy.prefetch_window(), swap if policy.activations == "nvme" else None,
-            lambda: params, io_delay)
+            lambda: params, io_delay, checksum=policy.checksum)
         pager = self.activations
         self._handles.append(model.register_forward_pre_hook(
             lambda m, a: pager.begin(), prepend=True))
