@@ -693,6 +693,29 @@ def test_a_failed_switch_leaves_the_previous_checkpoint_in_place(tmp_path, monke
     assert_same(before, params_of(fresh), "the previous checkpoint's parameters")
 
 
+def test_a_disk_error_after_the_checks_says_the_load_is_partial(tmp_path, monkeypatch):
+    """An EIO while filling the model (everything already checked): a CheckpointError that
+    says the model is partly loaded, and loading again restores it whole."""
+    from tieroffload.checkpoint import store
+
+    path, model, opt = _small_checkpoint(tmp_path, extra={"v": 1})
+    want = params_of(model), optim_state_of(opt)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the model now differs from the checkpoint
+
+    def fail(*args):
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    monkeypatch.setattr(store, "_load_optimizer", fail)
+    with pytest.raises(CheckpointError, match=r"\[5\].*partly loaded; load it again"):
+        tieroffload.load_checkpoint(path, model, opt)
+    monkeypatch.undo()
+    assert tieroffload.load_checkpoint(path, model, opt) == {"v": 1}
+    assert_same(want[0], params_of(model), "parameters after loading again")
+    assert_same(want[1], optim_state_of(opt), "optimizer state after loading again")
+
+
 def test_malicious_pickle_in_extra_does_not_run(tmp_path):
     path, model, opt = _small_checkpoint(tmp_path, extra={"step": 1})
     marker = tmp_path / "PWNED"

@@ -511,20 +511,26 @@ def _load(ck: _Opened, meta: dict[str, Any], model: nn.Module,
                                   f"{e['nbytes']} bytes")
         t.copy_(host)
 
-    with torch.no_grad():
-        if state is not None:
-            for u in state.units:
-                with state.resident([u], writeback=state.mover is not None):
-                    for name, p in zip(u.names, u.params):
-                        fill(p.data, f"param/{name}")
-                    state.mark_loaded(u.params)
-        else:
-            for name, p in model.named_parameters():
-                fill(p.data, f"param/{name}")
-        for name, b in model.named_buffers():
-            fill(b, f"buffer/{name}")
-    if optimizer is not None:
-        _load_optimizer(optimizer, saved, entries, fill)
+    try:
+        with torch.no_grad():
+            if state is not None:
+                for u in state.units:
+                    with state.resident([u], writeback=state.mover is not None):
+                        for name, p in zip(u.names, u.params):
+                            fill(p.data, f"param/{name}")
+                        state.mark_loaded(u.params)
+            else:
+                for name, p in model.named_parameters():
+                    fill(p.data, f"param/{name}")
+            for name, b in model.named_buffers():
+                fill(b, f"buffer/{name}")
+        if optimizer is not None:
+            _load_optimizer(optimizer, saved, entries, fill)
+    except OSError as e:  # everything was checked: the disk failed part way
+        raise CheckpointError(
+            f"checkpoint {path}: {type(e).__name__} [{e.errno}] {e.strerror} while loading it, "
+            "after the checks: the model and optimizer are now partly loaded; load it again "
+            "once the disk is sound") from e
     return saved["extra"]
 
 
