@@ -621,6 +621,19 @@ def test_pickling_an_offloaded_parameter_is_refused(tmp_path):
     assert type(blocks(model)[0].mlp.c_fc.weight) is nn.Parameter
 
 
+def test_pickling_an_offloaded_model_is_refused_with_the_fix(tmp_path):
+    """torch.save(model) met a local hook first (an AttributeError about pickling a local
+    object): it now says what to save instead."""
+    import io
+    import pickle
+
+    _, model = pair(gpt2, tmp_path)
+    for save in (lambda: torch.save(model, io.BytesIO()), lambda: pickle.dumps(model)):
+        with pytest.raises(TypeError, match="state_dict.*save_checkpoint"):
+            save()
+    tieroffload.close(model)
+
+
 # -- 7. deepcopy, and models accelerate already dispatched ------------------------------------
 
 def test_deepcopy_offloaded_model(tmp_path):

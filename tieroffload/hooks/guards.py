@@ -202,6 +202,10 @@ class Guards:
     def __deepcopy__(self, memo: dict) -> None:
         raise TypeError(_COPY_ERROR)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:  # pickle reaches it through the hooks
+        raise TypeError("pickling a model under tieroffload.offload (torch.save(model)) is not "
+                        "supported: save model.state_dict() or tieroffload.save_checkpoint")
+
     def check_loaded(self, units: list[Unit]) -> None:
         """Raises for a parameter of ``units`` built on the meta device and never loaded."""
         if not self._uninitialized:
