@@ -757,7 +757,8 @@ def _offloaded_pair(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["shape", "dtype", "optim-shape", "step-dtype", "short",
-                                    "empty", "negative-offset", "unknown-dtype", "state-scalar"])
+                                    "empty", "negative-offset", "unknown-dtype", "state-scalar",
+                                    "twice", "ranks"])
 def test_failed_load_changes_nothing(tmp_path, damage):
     """A manifest that does not fit the model, or is not well formed (each crafted case keeps
     its checksums true where it can), is refused naming the entry, before any byte changes."""
@@ -781,6 +782,15 @@ def test_failed_load_changes_nothing(tmp_path, damage):
         with open(path / "tensors.bin", "rb") as f:
             f.seek(e["offset"])
             e.update(shape=[], nbytes=4, crc32=zlib.crc32(f.read(4)))
+    elif damage == "twice":  # a second entry under one key, pointing at another's bytes
+        params = [e for e in meta["tensors"] if e["key"].startswith("param/")
+                  and len(e["shape"]) == 2]
+        e = dict(params[-1], key=params[0]["key"], shape=params[0]["shape"])
+        meta["tensors"].append(e)
+    elif damage == "ranks":  # a multi-rank manifest, loaded by one process
+        e = {"key": "manifest/ranks"}  # the error names the ranks
+        meta = {"format": meta["format"], "version": meta["version"], "world_size": 1,
+                "ranks": []}
     elif damage in ("short", "empty", "negative-offset"):
         e = next(e for e in meta["tensors"] if e["key"].startswith("param/")
                  and len(e["shape"]) == 2)

@@ -133,6 +133,22 @@ def test_predicted_bytes_match_the_moved_ones(overlap, machine, profiles, tmp_pa
         assert pred.phases["step"] == 0 and pred.step_s < default.step_s
 
 
+def test_profiling_leaves_gradients_and_random_streams_as_they_were():
+    """Policy.auto's sample steps (Profile.measure) once left every parameter's gradient set
+    and the random streams advanced: training after it was not the training without it."""
+    build, sample = shape("deep")
+    model = build()
+    lm = model.head.weight
+    lm.grad = torch.ones_like(lm)  # the user's own, before
+    torch.manual_seed(5)
+    want = torch.rand(3)
+    torch.manual_seed(5)
+    Profile.measure(model, lambda m: sample(m) + torch.rand(()) * 0, repeats=1)
+    assert torch.equal(torch.rand(3), want)
+    assert torch.equal(lm.grad, torch.ones_like(lm))
+    assert all(p.grad is None for p in model.parameters() if p is not lm)
+
+
 def test_auto_refuses_with_the_numbers(machine, profiles, tmp_path):
     build, sample = shape("deep")
     with pytest.raises(MemoryError, match=r"no placement fits: the smallest needs cpu \d+ bytes"):

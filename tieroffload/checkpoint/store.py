@@ -307,7 +307,7 @@ class _Opened:
                               dir_fd=parent.fd if parent is not None else None)
         except OSError as e:
             raise CheckpointError(f"no checkpoint at {path} ({e.strerror})") from e
-        self._files: list[BinaryIO] = []
+        self._files: dict[str, BinaryIO] = {}
         try:
             self._check_owner(os.fstat(self.fd), path)
         except BaseException:
@@ -323,7 +323,9 @@ class _Opened:
                 "directory of your own to load it")
 
     def open(self, name: str) -> BinaryIO:
-        """A file of the checkpoint, opened for reading, closed with the checkpoint."""
+        """A file of the checkpoint, opened for reading once, closed with the checkpoint."""
+        if name in self._files:
+            return self._files[name]
         where = os.path.join(self.path, name)
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
@@ -332,8 +334,7 @@ class _Opened:
             why = "is a symbolic link, never followed" if e.errno == errno.ELOOP else \
                 f"cannot be opened: {e.strerror}"
             raise CheckpointError(f"checkpoint file {where} {why}") from e
-        f = os.fdopen(fd, "rb")
-        self._files.append(f)
+        f = self._files[name] = os.fdopen(fd, "rb")
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(f"checkpoint file {where} is not a regular file")
@@ -358,9 +359,9 @@ class _Opened:
         return meta
 
     def close(self) -> None:
-        for f in self._files:
+        for f in self._files.values():
             f.close()
-        self._files = []
+        self._files = {}
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -402,6 +403,7 @@ def _check_size(ck: _Opened, meta: dict[str, Any]) -> BinaryIO:
     if size != meta.get("size"):
         raise CheckpointError(f"checkpoint data {data} is truncated: {size} bytes, the "
                               f"manifest says {meta['size']}")
+    keys: set[str] = set()
     for e in meta["tensors"]:
         try:
             key, dtype, shape = e["key"], DTYPES[e["dtype"]], e["shape"]
@@ -412,6 +414,9 @@ def _check_size(ck: _Opened, meta: dict[str, Any]) -> BinaryIO:
             ok = False
         if not ok:
             raise CheckpointError(f"checkpoint {path}: manifest entry {e!r:.200} is malformed")
+        if key in keys:
+            raise CheckpointError(f"checkpoint {path}: {key} is in the manifest twice")
+        keys.add(key)
         want = math.prod(shape) * dtype.itemsize
         if nbytes != want or offset < 0 or offset + nbytes > size:
             raise CheckpointError(
@@ -466,10 +471,12 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         if "ranks" not in meta:
             return _load(top, meta, model, optimizer)
         world = dist.get_world_size() if dist else 1  # saved by several ranks: read our part
-        if world != meta["world_size"]:
-            raise CheckpointError(f"checkpoint {path} was saved by {meta['world_size']} ranks; "
+        ranks = meta.get("ranks")
+        if world != meta.get("world_size") or not isinstance(ranks, list) or len(ranks) != world:
+            raise CheckpointError(f"checkpoint {path} was saved by {meta.get('world_size')} ranks "
+                                  f"({len(ranks) if isinstance(ranks, list) else 'no'} parts); "
                                   f"this run has {world}")
-        rank = dist.get_rank()
+        rank = dist.get_rank() if dist else 0
         with _Opened(os.path.join(path, f"rank{rank}"), top) as part:
             return _load(part, meta["ranks"][rank], model, optimizer)
 
@@ -478,6 +485,9 @@ def _load(ck: _Opened, meta: dict[str, Any], model: nn.Module,
           optimizer: torch.optim.Optimizer | None) -> Any:
     """``load_checkpoint`` from one opened directory and its manifest."""
     path = ck.path
+    # Opened at once, and held: a save that replaces the directory meanwhile cannot take them.
+    for name in ("tensors.bin", "extra.pt"):
+        ck.open(name)
     f = _check_size(ck, meta)
     ef = _verify(ck, meta, f)
     entries = {e["key"]: e for e in meta["tensors"]}

@@ -36,7 +36,8 @@ class Profile:
     def measure(cls, model: nn.Module, sample: Sample, threshold: int = 1 << 20,
                 repeats: int = 3) -> Profile:
         """Runs ``sample(model)`` (which returns a loss) and its backward ``1 + repeats`` times
-        with the model as it is (resident), timing the last ``repeats`` (medians)."""
+        with the model as it is (resident), timing the last ``repeats`` (medians). The model's
+        gradients and the random generators' states are as they were afterwards."""
         params = list({id(p): p for p in model.parameters()}.values())
         pbytes = sum(p.numel() * p.element_size() for p in params)
         owned = [sum(p.numel() * p.element_size() for p in m._parameters.values()
@@ -62,6 +63,12 @@ class Profile:
         fwd, bwd = [], []
         memory.return_freed_memory()
         step_peak = 0
+        # The model comes back as it was: its gradients, and the random streams the sample
+        # draws from (dropout), so that training afterwards is the training without it.
+        grads = [(p, p.grad) for p in params]
+        cuda = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+        rng = torch.random.fork_rng(devices=cuda)
+        rng.__enter__()
         try:
             for i in range(1 + repeats):
                 model.zero_grad(set_to_none=True)
@@ -83,6 +90,9 @@ class Profile:
         finally:
             for h in hooks:
                 h.remove()
+            for p, g in grads:
+                p.grad = g
+            rng.__exit__(None, None, None)
         act = sum(n for ptr, n in saved.items() if ptr not in pids)
         grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
         if not step_peak:  # no peak to read here: everything at once, as a bound
