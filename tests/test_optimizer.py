@@ -497,3 +497,40 @@ def test_fp16_overflow_skips_the_step(config, tmp_path):
         assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
     opt.close()
     tieroffload.close(model)
+
+
+@pytest.mark.parametrize("overlap", [True, "backward"])
+def test_two_paged_optimizers_step_their_own_parameters_only(tmp_path, overlap):
+    """AdamW over the first layer and SGD over the rest equal plain PyTorch; two open paged
+    optimizers over the same parameters (each would use up the other's gradients) are refused
+    at the next training forward."""
+    torch.manual_seed(0)
+    ref = mlp()
+    model = tieroffload.offload(copy.deepcopy(ref), policy("nvme-nvme-grads", tmp_path))
+
+    def split(m):
+        ps = list(m.parameters())
+        return ps[:2], ps[2:]
+
+    a, b = split(ref)
+    refs = (torch.optim.AdamW(a, lr=1e-2, fused=True), torch.optim.SGD(b, lr=0.05))
+    a, b = split(model)
+    opts = (tieroffload.optimizer(model, torch.optim.AdamW, a, lr=1e-2, overlap=overlap),
+            tieroffload.optimizer(model, torch.optim.SGD, b, lr=0.05, overlap=overlap))
+    for step in range(3):
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
+        for m, os_ in ((ref, refs), (model, opts)):
+            m(x).square().mean().backward()
+            for o in os_:
+                o.step()
+                o.zero_grad()
+    with tieroffload.materialize(model):
+        assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+    both = tieroffload.optimizer(model, torch.optim.SGD, list(model.parameters()), lr=0.1,
+                                 overlap=overlap)
+    with pytest.raises(ValueError, match="stepped by another open paged optimizer"):
+        model(torch.randn(4, 64)).square().mean().backward()
+    both.close()
+    for o in opts:
+        o.close()
+    tieroffload.close(model)

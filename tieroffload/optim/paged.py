@@ -93,6 +93,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             kwargs["fused"] = True
         probe = opt_cls([nn.Parameter(torch.zeros(1, device=self.host))], **kwargs)
         super().__init__(self._local_params(model, params), dict(probe.defaults))
+        self._ids = frozenset(id(p) for g in self.param_groups for p in g["params"])
         self.opt_cls, self.kwargs = opt_cls, kwargs
         self.swap: SwapSpace | None = None
         self.mover = self.offload.mover
@@ -405,6 +406,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         if self.offload.backward_raised():
             self.backward_failed()
         self._check_torn()
+        self._check_alone()
         resuming = self._resume
         self.settle()  # what a previous step left, before new gradients are taken
         if resuming:  # this call retries a step that failed part way: it is now complete
@@ -509,6 +511,18 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._stepped.clear()
         self._ready.clear()
 
+    def _check_alone(self) -> None:
+        """Two open paged optimizers stepping the same parameters would each use up what the
+        other needs (the paged gradients, the deferred updates): refused at the next training
+        forward or step."""
+        for other in list(self.offload.optimizers):
+            shared = len(self._ids & other._ids) if other is not self and other in _live else 0
+            if shared:
+                raise ValueError(
+                    f"tieroffload: {shared} of the parameters this paged optimizer steps are "
+                    "stepped by another open paged optimizer of the model too: give each its own "
+                    "parameters (params=...), or close the other first")
+
     def _check_torn(self) -> None:
         if self._torn:
             raise RuntimeError(
@@ -526,6 +540,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         """Before the forward whose backward is the last of ``accumulation_steps``, the first
         chunk that backward steps starts in."""
         self._check_torn()
+        self._check_alone()
         if (self.overlap == "backward" and self._backwards + 1 == self.accumulation_steps
                 and self.chunks):
             self._bring_in(self.chunks[-1])
