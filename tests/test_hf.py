@@ -497,6 +497,35 @@ def test_load_weights_sharded_missing_key_names_it(sharded, tmp_path):
     tieroffload.close(model, restore=False)
 
 
+@pytest.mark.parametrize("damage", ["unexpected", "shape"])
+def test_load_weights_checks_every_shard_before_writing(damage, sharded, tmp_path):
+    """A key the model does not have (strict) or a shape that differs, in the last shard: the
+    error names it and no parameter has changed, as load_state_dict(strict=True) would."""
+    from safetensors.torch import load_file, save_file
+
+    real, d, index, shards = sharded
+    last = load_file(shards[-1])
+    if damage == "unexpected":
+        last["transformer.h.9.attn.c_attn.weight"] = torch.zeros(32, 96)
+        err, words = KeyError, r"keys the model does not.*h\.9\.attn"
+    else:
+        k = next(iter(last))
+        last[k] = torch.zeros(*[n + 1 for n in last[k].shape])
+        err, words = ValueError, rf"{k.replace('.', '[.]')}: weights have shape"
+    save_file(last, shards[-1], metadata={"format": "pt"})
+    model = _fresh_offloaded(tmp_path, real)
+    with torch.no_grad():
+        before = model(tokens(1)).logits
+    with pytest.raises(err, match=words):
+        tieroffload.load_weights(model, shards)
+    with torch.no_grad():
+        assert torch.equal(model(tokens(1)).logits, before)
+    if damage == "unexpected":  # strict=False takes what fits, as torch does
+        tieroffload.load_weights(model, shards, strict=False)
+        _check_loaded(model, real)
+    tieroffload.close(model)
+
+
 def test_load_weights_single_file_missing_key_names_it(tmp_path):
     """What works today: one safetensors file missing a parameter is refused, naming it."""
     from safetensors.torch import save_file

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -54,8 +55,10 @@ def load_weights(model: nn.Module, source: Source, strict: bool = True) -> None:
     model's ``_init_weights``: rotary frequencies, position ids)."""
     s = _state(model)
     names = _aliases(model)
+    shapes: dict[str, tuple[int, ...]] = {}  # of every key, from the headers
     if isinstance(source, dict):
         plan = [(None, set(source))]
+        shapes = {k: tuple(v.shape) for k, v in source.items()}
     else:
         from safetensors import safe_open
 
@@ -64,6 +67,7 @@ def load_weights(model: nn.Module, source: Source, strict: bool = True) -> None:
         for f in shard_files(source):
             with safe_open(os.fspath(f), framework="pt", device="cpu") as h:
                 keys = set(h.keys())
+                shapes.update((k, tuple(h.get_slice(k).get_shape())) for k in keys)
             for k in keys & seen.keys():
                 raise ValueError(f"load_weights: {k!r} is in both {seen[k]} and {f}")
             seen.update(dict.fromkeys(keys, f))
@@ -73,6 +77,21 @@ def load_weights(model: nn.Module, source: Source, strict: bool = True) -> None:
                if not names.get(id(p), {n}) & every]
     if strict and missing:
         raise KeyError(f"weights are missing {len(missing)} parameters: {missing[:5]}")
+    # Checked before any byte is written: a failure leaves the model as it was.
+    known = {n for ns in names.values() for n in ns}
+    known |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    ignored = [re.compile(r) for r in getattr(model, "_keys_to_ignore_on_load_unexpected",
+                                              None) or ()]  # a Hugging Face model's
+    unexpected = sorted(k for k in every - known if not any(r.search(k) for r in ignored))
+    if strict and unexpected:
+        raise KeyError(f"weights have {len(unexpected)} keys the model does not: "
+                       f"{unexpected[:5]}")
+    for u in s.units:
+        for n, p in zip(u.names, u.params):
+            for k in names.get(id(p), {n}) & every:
+                if shapes[k] != tuple(p.shape):
+                    raise ValueError(f"{k}: weights have shape {shapes[k]}, the model "
+                                     f"{tuple(p.shape)}")
     for f, keys in plan:
         if f is None:
             _load_from(s, names, keys, source.__getitem__)
@@ -99,11 +118,7 @@ def _load_from(s: OffloadState, names: dict[int, set[str]], keys: set[str],
             continue
         with s.resident([u], writeback=s.mover is not None), torch.no_grad():
             for name, p in todo:
-                t = get(name)
-                if t.shape != p.shape:
-                    raise ValueError(f"{name}: weights have shape {tuple(t.shape)}, the "
-                                     f"model {tuple(p.shape)}")
-                p.copy_(t)
+                p.copy_(get(name))  # shapes checked by load_weights
             s.mark_loaded([p for _, p in todo])
 
 
