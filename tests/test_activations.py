@@ -223,6 +223,17 @@ def test_autobatch_recovers_from_out_of_memory_without_losing_a_step():
     assert losses == pytest.approx(ref, rel=1e-5, abs=1e-6)
 
 
+def test_autobatch_refuses_a_budget_one_sample_overruns():
+    """Once a micro-batch of 1 sample peaks over the budget there is nothing smaller to try:
+    a MemoryError with both numbers, not a run over budget for ever."""
+    if not memory.reset_peak_rss():
+        pytest.skip("cannot measure peak RSS here")
+    model = nn.Linear(16, 1)
+    auto = AutoBatch(4, "1MiB", model=model, device="cpu")  # under the process's own RSS
+    with pytest.raises(MemoryError, match=r"1 sample peaked at \d+ bytes.*budget of 1048576"):
+        auto.backward(lambda p: model(p).square().mean(), torch.randn(4, 16))
+
+
 def test_autobatch_reports_in_offload_stats(tmp_path):
     model = tieroffload.offload(nn.Linear(16, 1), Policy(device="cpu"))
     auto = AutoBatch(4, "1TiB", model=model, device="cpu")

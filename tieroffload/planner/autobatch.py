@@ -163,8 +163,13 @@ class AutoBatch:
         m = self.micro
         self._samples[m] = max(peak - base, 1)
         fit = self._largest_fitting(base)
+        if peak > self.budget and m == 1:  # nothing smaller to try: it would run over for ever
+            raise MemoryError(
+                f"AutoBatch: a micro-batch of 1 sample peaked at {peak} bytes "
+                f"({format_bytes(peak)}), over the budget of {self.budget} bytes "
+                f"({format_bytes(self.budget)}); raise the budget")
         if peak > self.budget:
-            self.ceiling = min(self.ceiling, m - 1) if m > 1 else 1
+            self.ceiling = min(self.ceiling, m - 1)
             self._change(max(1, min(fit, m - 1)),
                          f"peak {format_bytes(peak)} over budget {format_bytes(self.budget)}")
         elif fit > m and m < self.ceiling:
