@@ -123,7 +123,8 @@ def test_directory_that_is_not_writable():
 @pytest.mark.parametrize("size, words", [
     ("abc", ["--size", "not a size: 'abc'"]),
     ("100P", ["not enough free space", "--size 100P", "GB free"]),
-    ("1M", ["--size must be at least 8M"]),
+    ("1M", ["--size must be at least 8M", "not 1048576 bytes"]),
+    ("1K", ["--size must be at least 8M", "not 1024 bytes"]),  # once "not 0 bytes"
 ])
 def test_bad_size(tmp_path, size, words):
     proc = run_cli("--dir", str(tmp_path), "--size", size, "--quick")

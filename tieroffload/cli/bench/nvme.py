@@ -85,9 +85,9 @@ def run_nvme(directory: str | os.PathLike | list[str | os.PathLike] | tuple[str 
             size = parse_bytes(size)
         except ValueError as e:
             raise BenchError(f"--size {e}") from None
-    size = size // MiB * MiB
     if size < MIN_SIZE:
         raise BenchError(f"--size must be at least {format_size(MIN_SIZE)}, not {size} bytes")
+    size = size // MiB * MiB
     repeats = repeats if repeats is not None else 1 if quick else 3
     if repeats < 1:
         raise BenchError(f"--repeats must be at least 1, not {repeats}")
