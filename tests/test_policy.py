@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 
 import pytest
 
@@ -83,3 +84,23 @@ def test_unknown_and_conflicting_deepspeed_settings(caplog):
         Policy.from_deepspeed(two)
     with pytest.raises(ValueError, match="device 'disk'"):
         Policy.from_deepspeed({"zero_optimization": {"offload_param": {"device": "disk"}}})
+
+
+@pytest.mark.parametrize("cfg, words", [
+    ({"zero_optimization": {"stage": 7}}, "stage must be 0, 1, 2 or 3, not 7"),
+    ({"zero_optimization": {"stage": "three"}}, "stage must be 0, 1, 2 or 3, not 'three'"),
+    ({"zero_optimization": {"stage": 1, "offload_param": {"device": "nvme"}}},
+     "offload_param needs stage 3, not stage 1"),
+    ({"zero_optimization": {"stage3_max_live_parameters": "12 parsecs"}},
+     "stage3_max_live_parameters must be a whole number >= 0, not '12 parsecs'"),
+    ({"zero_optimization": {"stage3_max_live_parameters": -5}},
+     "stage3_max_live_parameters must be a whole number >= 0, not -5"),
+    ({"zero_optimization": [3]}, "zero_optimization must be a dict"),
+    ([3], "a DeepSpeed config is a dict"),
+    ({"aio": {"queue_depth": 1.5}}, "aio.queue_depth must be a whole number"),
+])
+def test_bad_deepspeed_configs_name_the_key(cfg, words):
+    """Found by an outside trial: stage 7 was taken, "12 parsecs" failed in int() without
+    naming the key, -5 was reported as a doubled cpu_budget."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        Policy.from_deepspeed(cfg)

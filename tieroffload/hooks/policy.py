@@ -165,9 +165,12 @@ class BasePolicy:
         """A Policy from a DeepSpeed config (a dict or a JSON file): its ZeRO ``offload_param``,
         ``offload_optimizer`` and ``aio`` sections. Keys tieroffload decides for itself and keys it
         does not know are logged as a warning, never dropped in silence."""
-        if not isinstance(config, dict):
-            with open(config) as f:
-                config = json.load(f)
+        if isinstance(config, (str, os.PathLike)):
+            try:
+                with open(config) as f:
+                    config = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"DeepSpeed config {os.fspath(config)}: not JSON ({e})") from None
         return cls.from_dict(policy_from_deepspeed(config))
 
     def explain(self) -> str:

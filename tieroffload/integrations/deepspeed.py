@@ -26,12 +26,40 @@ BYTES_PER_ELEMENT = 2
 TIER = {"nvme": "nvme", "cpu": "cpu", "none": None, None: None}
 
 
+def _section(config: Any, key: str, where: str) -> dict[str, Any]:
+    value = config.get(key) or {}
+    if not isinstance(value, dict):
+        raise ValueError(f"DeepSpeed {where}{key} must be a dict of settings, not {value!r:.80}")
+    return dict(value)
+
+
+def _count(value: Any, where: str) -> int:
+    """A DeepSpeed count (elements, bytes, threads): a whole number >= 0."""
+    try:
+        n = int(value) if not isinstance(value, bool) and float(value) == int(value) else None
+    except (TypeError, ValueError, OverflowError):
+        n = None
+    if n is None or n < 0:
+        raise ValueError(f"DeepSpeed {where} must be a whole number >= 0, not {value!r}")
+    return n
+
+
 def policy_from_deepspeed(config: dict[str, Any]) -> dict[str, Any]:
     """The ``Policy.from_dict`` arguments that match ``config``; logs what did not map."""
-    zero = dict(config.get("zero_optimization", {}))
-    param = dict(zero.pop("offload_param", None) or {})
-    optim = dict(zero.pop("offload_optimizer", None) or {})
-    aio = dict(config.get("aio", {}))
+    if not isinstance(config, dict):
+        raise ValueError(f"a DeepSpeed config is a dict (or its JSON file), not {config!r:.80}")
+    zero = _section(config, "zero_optimization", "")
+    param = _section(zero, "offload_param", "zero_optimization.")
+    optim = _section(zero, "offload_optimizer", "zero_optimization.")
+    zero.pop("offload_param", None)
+    zero.pop("offload_optimizer", None)
+    aio = _section(config, "aio", "")
+    stage = zero.get("stage", 3)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"DeepSpeed zero_optimization.stage must be 0, 1, 2 or 3, not {stage!r}")
+    if stage != 3 and param.get("device") not in (None, "none"):
+        raise ValueError(f"DeepSpeed zero_optimization.offload_param needs stage 3, not stage "
+                         f"{stage}: DeepSpeed itself would refuse this config")
     out: dict[str, Any] = {}
     unknown: list[str] = []
     decided: list[str] = []
@@ -63,9 +91,12 @@ def policy_from_deepspeed(config: dict[str, Any]) -> dict[str, Any]:
             zero.pop(key)
             decided.append(f"zero_optimization.{key}")
     if "stage3_prefetch_bucket_size" in zero:
-        out["prefetch"] = f"{int(zero.pop('stage3_prefetch_bucket_size')) * BYTES_PER_ELEMENT}B"
+        n = _count(zero.pop("stage3_prefetch_bucket_size"),
+                   "zero_optimization.stage3_prefetch_bucket_size")
+        out["prefetch"] = f"{n * BYTES_PER_ELEMENT}B"
     if "stage3_max_live_parameters" in zero:
-        live = int(zero.pop("stage3_max_live_parameters")) * BYTES_PER_ELEMENT
+        live = _count(zero.pop("stage3_max_live_parameters"),
+                      "zero_optimization.stage3_max_live_parameters") * BYTES_PER_ELEMENT
         out["cpu_budget" if out.get("params") == "nvme" else "gpu_budget"] = live
     for k in zero:
         (decided if k in DECIDED_HERE["zero_optimization"] else unknown).append(
@@ -74,7 +105,7 @@ def policy_from_deepspeed(config: dict[str, Any]) -> dict[str, Any]:
     for ds_key, ours in (("block_size", "block_size"), ("queue_depth", "queue_depth"),
                          ("intra_op_parallelism", "threads"), ("thread_count", "threads")):
         if ds_key in aio:
-            io[ours] = int(aio.pop(ds_key))
+            io[ours] = _count(aio.pop(ds_key), f"aio.{ds_key}")
     for k in aio:
         (decided if k in DECIDED_HERE["aio"] else unknown).append(f"aio.{k}")
     if io:
@@ -83,6 +114,10 @@ def policy_from_deepspeed(config: dict[str, Any]) -> dict[str, Any]:
     if elements:
         log.info("DeepSpeed element counts read as %d bytes an element: %s", BYTES_PER_ELEMENT,
                  ", ".join(elements))
+    elsewhere = sorted(k for k in config if k not in ("zero_optimization", "aio"))
+    if elsewhere:  # batch sizes, precision, clipping: the training code's, not the offload's
+        log.info("DeepSpeed settings outside zero_optimization and aio, not used: %s",
+                 ", ".join(elsewhere))
     if decided:
         log.warning("DeepSpeed settings that tieroffload decides itself, not used: %s",
                     ", ".join(sorted(decided)))
