@@ -149,6 +149,18 @@ def test_profiling_leaves_gradients_and_random_streams_as_they_were():
     assert all(p.grad is None for p in model.parameters() if p is not lm)
 
 
+@pytest.mark.parametrize("bench", [{"foo": 1}, "not json", {"recommended_figures": {}}])
+def test_a_bench_result_that_is_not_one_is_refused_naming_it(tmp_path, bench):
+    if isinstance(bench, str):
+        path = tmp_path / "nvme.json"
+        path.write_text("{" + bench)
+        bench = str(path)
+    with pytest.raises(ValueError, match="is not a result of tieroffload-bench nvme --json"):
+        Machine.measure(str(tmp_path), bench)
+    with pytest.raises(FileNotFoundError, match="nvme_dir does not exist or is not a directory"):
+        Machine.measure(str(tmp_path / "nvme.json") if isinstance(bench, str) else __file__)
+
+
 def test_auto_refuses_with_the_numbers(machine, profiles, tmp_path):
     build, sample = shape("deep")
     with pytest.raises(MemoryError, match=r"no placement fits: the smallest needs cpu \d+ bytes"):

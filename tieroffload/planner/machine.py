@@ -14,6 +14,7 @@ import torch
 
 from .. import aio
 from ..aio.config import IOConfig
+from ..aio.swap import check_directory
 from ..aio.throughput import disk_gbps
 from ..utils import memory
 from ..utils.paths import directories
@@ -39,16 +40,21 @@ class Machine:
         Several directories are measured striped, as the swap space stripes them (on one
         device they share its bandwidth); the ranks of one node (``LOCAL_WORLD_SIZE``) share
         the drives, so each rank counts its share."""
-        dirs = directories(nvme_dir)
+        dirs = [check_directory(d) for d in directories(nvme_dir)]
         nvme_dir = dirs[0] if dirs else None
         cost = 0.0
         if bench is not None:
-            if not isinstance(bench, dict):
-                with open(bench) as f:
-                    bench = json.load(f)
-            fig = bench["recommended_figures"]
-            read, write = fig["read_gbps"], fig["write_gbps"]
-            io = IOConfig.from_dict(bench["recommended"])
+            where = "given" if isinstance(bench, dict) else os.fspath(bench)
+            try:
+                if not isinstance(bench, dict):
+                    with open(bench) as f:
+                        bench = json.load(f)
+                fig = bench["recommended_figures"]
+                read, write = float(fig["read_gbps"]), float(fig["write_gbps"])
+                io = IOConfig.from_dict(bench["recommended"])
+            except (ValueError, KeyError, TypeError) as e:  # OSError: the file's own message
+                raise ValueError(f"bench {where} is not a result of tieroffload-bench nvme "
+                                 f"--json ({type(e).__name__}: {e})".splitlines()[0]) from None
             if nvme_dir is not None:
                 cost = io_cost(nvme_dir, io)
         elif nvme_dir is not None:
