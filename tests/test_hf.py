@@ -967,3 +967,74 @@ def test_gradient_to_a_leaf_input(tmp_path):
     got, = torch.autograd.grad(model(x).sum(), x)
     assert torch.equal(got, want)
     tieroffload.close(model)
+
+
+# -- found by a fourth outside trial ----------------------------------------------------------
+
+def test_a_closure_step_over_paged_grads_is_refused_and_works_with_grads_in_ram(tmp_path):
+    """A plain optimizer's step(closure) (LBFGS) under grads="nvme" once stepped nothing: the
+    closure's backward paged the gradients away before the update. Refused there; with the
+    gradients in RAM it equals plain PyTorch."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    for grads in ("nvme", "cpu"):
+        (tmp_path / grads).mkdir()
+        model = tieroffload.offload(copy.deepcopy(ref), nvme_policy(tmp_path / grads, ref,
+                                                                    grads=grads))
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+
+        def closure(m=model, o=opt):
+            o.zero_grad()
+            loss = m(x).square().mean()
+            loss.backward()
+            return loss
+
+        if grads == "nvme":
+            with pytest.raises(RuntimeError, match=r"LBFGS\.step\(closure\).*grads=\"cpu\""):
+                opt.step(closure)
+        else:
+            want = copy.deepcopy(ref)
+            opt_ref = torch.optim.LBFGS(want.parameters(), lr=0.5, max_iter=3)
+
+            def closure_ref(want=want, opt_ref=opt_ref):
+                opt_ref.zero_grad()
+                loss = want(x).square().mean()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            opt_ref.step(closure_ref)
+            _params_equal(want, model)
+        tieroffload.close(model)
+
+
+def test_a_paged_optimizer_of_a_closure_only_class_is_refused(tmp_path):
+    _, model = pair(gpt2, tmp_path, optimizer="nvme")
+    with pytest.raises(ValueError, match="LBFGS.step needs a closure"):
+        tieroffload.optimizer(model, torch.optim.LBFGS)
+    tieroffload.close(model)
+
+
+def test_torch_compile_of_a_paged_model_says_it_is_not_supported(tmp_path):
+    """torch.compile met OffloadedParameter.__torch_function__ and recursed without end."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = tieroffload.offload(copy.deepcopy(ref), nvme_policy(tmp_path, ref))
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(Exception, match='torch.compile of a model offloaded with params="nvme"'):
+        compiled(torch.randn(4, 16))
+    torch._dynamo.reset()
+    x = torch.randn(4, 16)
+    assert torch.equal(model(x), ref(x))  # eagerly, as before
+    tieroffload.close(model)
+
+
+def test_sparse_embedding_gradients_cannot_go_to_nvme(tmp_path):
+    ref = nn.Sequential(nn.Embedding(50, 8, sparse=True), nn.Linear(8, 1))
+    with pytest.raises(ValueError, match=r"module '0' has sparse=True.*grads=\"cpu\""):
+        tieroffload.offload(ref, nvme_policy(tmp_path, grads="nvme"))
+    model = tieroffload.offload(ref, nvme_policy(tmp_path, grads="cpu"))
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    assert model[0].weight.grad.is_sparse
+    tieroffload.close(model)

@@ -61,6 +61,9 @@ _NO_DATA = _no_data(
     ["grad", "requires_grad", "shape", "dtype", "device", "is_leaf", "grad_fn", "layout",
      "ndim", "is_cuda", "is_meta", "_version"]) | {torch.Tensor.data.__set__}
 
+_COMPILE_ERROR = ('torch.compile of a model offloaded with params="nvme" is not supported: its '
+                  "parameters page in and out under hooks a compiled graph cannot follow; run "
+                  'it eagerly, or keep params on "cpu" or "gpu"')
 _SET_DATA = torch.Tensor.data.__set__
 
 
@@ -88,6 +91,8 @@ class OffloadedParameter(nn.Parameter):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILE_ERROR)
         if func == _SET_DATA:
             _check_same_layout(*args)
         away: list[tuple[Guards, Unit]] = []

@@ -103,6 +103,13 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
                 raise MemoryError(
                     f'params="cpu" keeps all {total} bytes ({format_bytes(total)}) of parameters '
                     f"in RAM, over cpu_budget={policy.cpu_budget}; use params=\"nvme\"")
+        if policy.grads == "nvme":
+            sparse = next((n for n, m in model.named_modules()
+                           if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse), None)
+            if sparse is not None:
+                raise ValueError(
+                    f"tieroffload.offload: module {sparse!r} has sparse=True, whose sparse "
+                    'gradients cannot be paged to NVMe (grads="nvme"): use grads="cpu"')
         try:  # a failure here (no room on the disk, say) leaves no thread or file behind
             if self.offloaded and largest is not None:
                 self._setup_tiers(largest, io_delay)

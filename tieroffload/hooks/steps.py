@@ -163,6 +163,13 @@ def clip_paged(params: list[torch.Tensor], max_norm: float, norm_type: float = 2
 def _step_pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if getattr(optimizer, "_tieroffload_paged", False):
         return  # it pages its chunks itself
+    closure = args[0] if args else kwargs.get("closure")
+    if closure is not None and has_paged_grads(
+            [p for g in optimizer.param_groups for p in g["params"]]):
+        raise RuntimeError(
+            f"tieroffload: {type(optimizer).__name__}.step(closure) over gradients paged to "
+            "NVMe (grads=\"nvme\"): the closure's backward pages them away before the step "
+            "could use them; keep the gradients in RAM (grads=\"cpu\") for a closure")
     for s in list(live):
         s.step_begin(optimizer)
 

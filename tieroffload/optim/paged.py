@@ -12,6 +12,7 @@ updated, and chunk i is written back while chunk i+1 is.
 from __future__ import annotations
 
 import atexit
+import inspect
 import weakref
 from collections.abc import Iterable
 from typing import Any, Callable
@@ -932,6 +933,12 @@ def optimizer(model: nn.Module, opt_cls: type[torch.optim.Optimizer],
     make one step: the chunks step during the last of them."""
     if not (isinstance(opt_cls, type) and issubclass(opt_cls, torch.optim.Optimizer)):
         raise TypeError(f"opt_cls must be a torch.optim.Optimizer class, not {opt_cls!r}")
+    closure = inspect.signature(opt_cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(f"tieroffload.optimizer: {opt_cls.__name__}.step needs a closure (it "
+                         "re-evaluates the loss), which a step taken chunk by chunk cannot "
+                         "give; step it as a plain optimizer over the model, with the "
+                         "gradients in RAM")
     if params is not None:
         params = list(params)
     return PagedOptimizer(model, opt_cls, params, kwargs, loss_scale, overlap,
