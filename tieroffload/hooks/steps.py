@@ -163,7 +163,8 @@ def clip_paged(params: list[torch.Tensor], max_norm: float, norm_type: float = 2
 def _step_pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if getattr(optimizer, "_tieroffload_paged", False):
         return  # it pages its chunks itself
-    closure = args[0] if args else kwargs.get("closure")
+    # torch hands the hook step()'s arguments with the optimizer itself first
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
     if closure is not None and has_paged_grads(
             [p for g in optimizer.param_groups for p in g["params"]]):
         raise RuntimeError(
