@@ -63,7 +63,9 @@ def test_memory_counts_a_tensor_the_user_fills_under_tensors(tmp_path):
     before = tieroffload.stats(model)["memory"]
     t = torch.ones(64 * MiB, dtype=torch.uint8)
     after = tieroffload.stats(model)["memory"]
-    assert after["tensors"] - before["tensors"] >= 64 * MiB
+    # "tensors" is malloc's bytes in use less what units hold: what else the process frees
+    # between the two samples comes off it (a CI run measured 64 MiB less 25 KiB).
+    assert after["tensors"] - before["tensors"] >= 63 * MiB
     assert abs(after["other"] - before["other"]) < 8 * MiB
     assert after["rss"] - before["rss"] >= 60 * MiB
     del t
