@@ -978,31 +978,28 @@ def test_a_closure_step_over_paged_grads_is_refused_and_works_with_grads_in_ram(
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+
+    def lbfgs(m):
+        opt = torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=3)
+
+        def closure():
+            opt.zero_grad()
+            loss = m(x).square().mean()
+            loss.backward()
+            return loss
+        return opt, closure
+
     for grads in ("nvme", "cpu"):
         (tmp_path / grads).mkdir()
         model = tieroffload.offload(copy.deepcopy(ref), nvme_policy(tmp_path / grads, ref,
                                                                     grads=grads))
-        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
-
-        def closure(m=model, o=opt):
-            o.zero_grad()
-            loss = m(x).square().mean()
-            loss.backward()
-            return loss
-
+        opt, closure = lbfgs(model)
         if grads == "nvme":
             with pytest.raises(RuntimeError, match=r"LBFGS\.step\(closure\).*grads=\"cpu\""):
                 opt.step(closure)
         else:
             want = copy.deepcopy(ref)
-            opt_ref = torch.optim.LBFGS(want.parameters(), lr=0.5, max_iter=3)
-
-            def closure_ref(want=want, opt_ref=opt_ref):
-                opt_ref.zero_grad()
-                loss = want(x).square().mean()
-                loss.backward()
-                return loss
-
+            opt_ref, closure_ref = lbfgs(want)
             opt.step(closure)
             opt_ref.step(closure_ref)
             _params_equal(want, model)

@@ -56,8 +56,7 @@ class GradPager:
         """The parameters whose gradients the unit's buffer holds, in its segments' order: those
         that required grad at offload, whatever ``requires_grad`` says now (a parameter frozen
         after a step keeps its stored gradient for that step's deferred update)."""
-        g = self.buffers.get(u.id)
-        return [] if g is None else self._params[u.id]
+        return self._params.get(u.id, [])
 
     def page_out(self, u: Unit) -> None:
         """Hands the unit's fresh gradients to the mover thread, which adds them to the stored
