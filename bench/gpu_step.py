@@ -1,6 +1,7 @@
 """The host step on a GPU, side by side in one run: a bf16 GPT trained with AdamW fully resident
 on the GPU (where it fits), then with its fp32 masters and AdamW state in pinned RAM
-(optimizer="cpu") and on NVMe (optimizer="nvme"). Reports step time, tokens/s, GPU and host
+(optimizer="cpu") and on NVMe (optimizer="nvme"), and ZeRO-Offload's placement (params and
+gradients paged to pinned RAM too: "cpu +grads"). Reports step time, tokens/s, GPU and host
 peak memory, pinned memory, and the bounds the step cannot beat: PCIe (bytes moved / the link's
 GB/s measured here from pinned memory), host Adam (a fused CPU AdamW step timed here, scaled)
 and NVMe (state bytes / the disk's GB/s measured here); step / max(compute, bounds).
@@ -68,17 +69,20 @@ def host_adam_s_per_param(n: int = 1 << 24) -> float:
     return (time.perf_counter() - t) / 3 / n
 
 
-def run(args: argparse.Namespace, device: torch.device, optimizer: str | None) -> dict:
-    """Warm-up, then ``args.steps`` timed steps; ``optimizer`` None is the resident run."""
+def run(args: argparse.Namespace, device: torch.device, optimizer: str | None,
+        paged_grads: bool = False) -> dict:
+    """Warm-up, then ``args.steps`` timed steps; ``optimizer`` None is the resident run;
+    ``paged_grads``: parameters paged from pinned RAM and gradients paged to it during
+    backward (``params="cpu", grads="cpu"``), else both stay on the GPU."""
     torch.manual_seed(0)
     model = GPT(args.vocab, args.d, args.layers, max(1, args.d // 64), args.seq)
     model = model.to(device, torch.bfloat16)
     if optimizer is None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     else:
+        on_gpu = "gpu" if device.type == "cuda" and not paged_grads else "cpu"
         tieroffload.offload(model, tieroffload.Policy(
-            params="gpu" if device.type == "cuda" else "cpu", optimizer=optimizer,
-            grads="gpu" if device.type == "cuda" else None, device=str(device),
+            params=on_gpu, optimizer=optimizer, grads=on_gpu, device=str(device),
             nvme_dir=args.dir))
         opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-4)
     if device.type == "cuda":
@@ -98,7 +102,8 @@ def run(args: argparse.Namespace, device: torch.device, optimizer: str | None) -
             times.append(time.perf_counter() - t)
         losses.append(loss.item())
     n = sum(p.numel() for p in model.parameters())
-    res = dict(optimizer=optimizer or "resident", params=n, step_s=statistics.median(times),
+    name = (optimizer or "resident") + (" +grads" if paged_grads else "")
+    res = dict(optimizer=name, params=n, step_s=statistics.median(times),
                losses=losses, host_peak=peak_rss(),
                gpu_peak=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0)
     if optimizer is not None:
@@ -129,16 +134,22 @@ def main() -> None:
     adam = host_adam_s_per_param()
     rows = [] if args.no_resident else [run(args, device, None)]
     rows += [run(args, device, tier) for tier in ("cpu", "nvme")]
+    if device.type == "cuda":  # ZeRO-Offload's placement: only working copies on the GPU
+        rows.append(run(args, device, "cpu", paged_grads=True))
     compute = rows[0]["step_s"] if not args.no_resident else 0.0
     for r in rows:
         n = r["params"]
         bounds = {"compute": compute}
         if r["optimizer"] != "resident":
-            if link:  # fp32 gradients out, bf16 working copies back
+            if link and r["optimizer"].endswith("+grads"):
+                # bf16 gradients out; bf16 parameters in for forward and for backward
+                bounds["pcie"] = n * 2 / (link["d2h_pinned"] * 1e9) + \
+                    n * 4 / (link["h2d_pinned"] * 1e9)
+            elif link:  # fp32 gradients out, bf16 working copies back
                 bounds["pcie"] = n * 4 / (link["d2h_pinned"] * 1e9) + \
                     n * 2 / (link["h2d_pinned"] * 1e9)
             bounds["host_adam"] = n * adam
-        if r["optimizer"] == "nvme":  # masters and two moments read and written
+        if r["optimizer"].startswith("nvme"):  # masters and two moments read and written
             bounds["nvme"] = n * 12 / (disk["read"] * 1e9) + n * 12 / (disk["write"] * 1e9)
         r["bounds"] = bounds
         r["vs_bound"] = r["step_s"] / max(bounds.values()) if max(bounds.values()) else None

@@ -71,20 +71,23 @@ def test_gpu_paged_optimizer_state_on_gpu(tmp_path):
 
 # -- the host step: fp32 masters and AdamW state in RAM or on NVMe, compute on the GPU ---------
 
-HOST_PLACEMENTS = [(p, o) for p in ("gpu", "cpu", "nvme") for o in ("cpu", "nvme")]
+# (params, optimizer state, gradients): gradients stay on the GPU until the step, or go to
+# pinned RAM as each unit's backward ends (with paged parameters)
+HOST_PLACEMENTS = [(p, o, g) for p in ("gpu", "cpu", "nvme") for o in ("cpu", "nvme")
+                   for g in ("gpu", "cpu") if g == "gpu" or p != "gpu"]
 
 
-def host_policy(params, optim, tmp_path, ref, **kw):
+def host_policy(params, optim, tmp_path, ref, grads="gpu", **kw):
     if params != "gpu":  # a few units on the GPU at once: they really come and go
         kw.setdefault("gpu_budget", 2 * max(p.numel() * p.element_size()
                                             for p in ref.parameters()))
-    return Policy(params=params, optimizer=optim, grads="gpu", device="cuda",
+    return Policy(params=params, optimizer=optim, grads=grads, device="cuda",
                   nvme_dir=str(tmp_path), **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("params,optim", HOST_PLACEMENTS)
-def test_host_step_equals_fused_adamw_over_host_masters(params, optim, dtype, tmp_path):
+@pytest.mark.parametrize("params,optim,grads", HOST_PLACEMENTS)
+def test_host_step_equals_fused_adamw_over_host_masters(params, optim, grads, dtype, tmp_path):
     """Each placement against plain PyTorch on the GPU whose fp32 masters are stepped on the
     host by AdamW(fused=True), with clipping: the same losses, norms and parameters."""
     torch.manual_seed(0)
@@ -93,7 +96,7 @@ def test_host_step_equals_fused_adamw_over_host_masters(params, optim, dtype, tm
     masters = [torch.nn.Parameter(p.detach().to("cpu", torch.float32, copy=True))
                for p in ref.parameters()]
     opt_ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, fused=True)
-    policy = host_policy(params, optim, tmp_path, ref)
+    policy = host_policy(params, optim, tmp_path, ref, grads)
     tieroffload.offload(model, policy)
     opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     for step in range(4):
@@ -112,6 +115,8 @@ def test_host_step_equals_fused_adamw_over_host_masters(params, optim, dtype, tm
         ref.zero_grad()
         loss = model(x).float().square().mean()
         loss.backward()
+        # grads="cpu": every gradient left the GPU during backward
+        assert all(p.grad is None for p in model.parameters()) == (grads == "cpu")
         norm = opt.clip_grad_norm_(0.05)
         opt.step()
         opt.zero_grad()
@@ -145,9 +150,6 @@ def test_host_step_orders_copies_with_events_not_synchronisation(tmp_path, monke
     tieroffload.close(model)
 
 
-def test_host_step_refuses_gradients_off_the_gpu(tmp_path):
-    model = TinyGPT().cuda()
-    tieroffload.offload(model, Policy(params="gpu", optimizer="cpu", grads="cpu", device="cuda"))
-    with pytest.raises(ValueError, match='grads="gpu"'):
-        tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2)
-    tieroffload.close(model)
+def test_gradients_in_pinned_ram_need_paged_parameters():
+    with pytest.raises(ValueError, match='grads="cpu" with CUDA.*params="cpu" or "nvme"'):
+        Policy(params="gpu", optimizer="cpu", grads="cpu", device="cuda")

@@ -12,7 +12,10 @@ from test_optimizer import CONFIGS, batch, manual_master_step, policy, warmup
 
 import tieroffload
 from tieroffload.core.devices import HostBuffers, Transfers
+from tieroffload.core.homes import RamHome
 from tieroffload.core.stats import Stats
+from tieroffload.hooks.grads import GradPager
+from tieroffload.hooks.state import _state
 
 ACCUM = 2
 CLIP = 0.05  # small enough that every step clips
@@ -71,7 +74,23 @@ def train(model, opt, sched, steps, clip):
     return losses, norms
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+RAM_GRADS = "nvme-nvme-ram-grads"
+
+
+def offload(model, config, tmp_path):
+    """``config`` of test_optimizer; RAM_GRADS: gradients paged to a RAM home as each unit's
+    backward ends, by the pager ``grads="cpu"`` makes with CUDA compute (here over unpinned
+    RAM: on the CPU that policy leaves them in ``p.grad``)."""
+    model = tieroffload.offload(model, policy("nvme-nvme-grads" if config == RAM_GRADS
+                                              else config, tmp_path))
+    if config == RAM_GRADS:
+        st = _state(model)
+        st.grads.close()
+        st.grads = GradPager(st.units, lambda n: RamHome(n, pin=False), st.mover, st.stats)
+    return model
+
+
+@pytest.mark.parametrize("config", list(CONFIGS) + [RAM_GRADS])
 def test_bf16_host_step_equals_fused_adamw_over_fp32_masters_through_resume(config, tmp_path):
     torch.manual_seed(0)
     ref = TinyGPT().to(torch.bfloat16)
@@ -89,9 +108,10 @@ def test_bf16_host_step_equals_fused_adamw_over_fp32_masters_through_resume(conf
     want, want_norms = train(ref, RefOpt, sched_ref, range(6), ref_clip)
 
     (tmp_path / "a").mkdir()
-    model = tieroffload.offload(copy.deepcopy(init), policy(config, tmp_path / "a"))
+    model = offload(copy.deepcopy(init), config, tmp_path / "a")
     opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     assert opt.grad_bufs is not None  # the host-step pipeline runs
+    assert all(opt._grads_in_ram(c) for c in opt.chunks) == (config == RAM_GRADS)
     sched = warmup(opt)
     got, norms = train(model, opt, sched, range(3), lambda: opt.clip_grad_norm_(CLIP))
     ckpt = tmp_path / "ckpt"
@@ -101,7 +121,7 @@ def test_bf16_host_step_equals_fused_adamw_over_fp32_masters_through_resume(conf
 
     (tmp_path / "b").mkdir()
     torch.manual_seed(1)  # other values: everything comes from the checkpoint
-    model = tieroffload.offload(TinyGPT().to(torch.bfloat16), policy(config, tmp_path / "b"))
+    model = offload(TinyGPT().to(torch.bfloat16), config, tmp_path / "b")
     opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     sched = warmup(opt)
     sched.load_state_dict(tieroffload.load_checkpoint(ckpt, model, opt)["sched"])
@@ -117,5 +137,31 @@ def test_bf16_host_step_equals_fused_adamw_over_fp32_masters_through_resume(conf
     for i, q in enumerate(masters):
         assert torch.equal(sd["state"][i]["master"], q)
         assert torch.equal(sd["state"][i]["exp_avg_sq"], opt_ref.state[q]["exp_avg_sq"])
+    opt.close()
+    tieroffload.close(model)
+
+
+@pytest.mark.parametrize("config", ["nvme-nvme-grads", RAM_GRADS])
+def test_bf16_host_step_in_backward_equals_fused_adamw_over_fp32_masters(config, tmp_path):
+    """overlap="backward" with paged gradients: each chunk's host step runs from backward's
+    hook once its units' gradients (the stored micro-batch's plus the last one's) are final."""
+    torch.manual_seed(0)
+    ref = TinyGPT().to(torch.bfloat16)
+    model = offload(copy.deepcopy(ref), config, tmp_path)
+    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    opt_ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, fused=True)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                overlap="backward", accumulation_steps=ACCUM)
+    for step in range(4):
+        for m in (ref, model):
+            for micro in range(ACCUM):
+                (m(batch(step, micro)).float().square().mean() / ACCUM).backward()
+        assert len(opt._stepped) == len(opt.chunks)  # every chunk stepped inside backward
+        manual_master_step(ref, masters, opt_ref, None)
+        opt.step()
+        opt.zero_grad()
+    with tieroffload.materialize(model):
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(a, b)
     opt.close()
     tieroffload.close(model)

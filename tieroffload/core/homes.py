@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..aio.buffers import aligned_empty
 from ..aio.engine import Future
 from ..aio.swap import SwapSpace
@@ -29,12 +31,20 @@ class Home:
 
 
 class RamHome(Home):
-    """A flat buffer in RAM (pinned when a GPU is present): for params="cpu" with CUDA compute."""
+    """A flat buffer in RAM (pinned when a GPU is present): for params="cpu" and grads="cpu"
+    with CUDA compute. ``pinned``: the page-locked bytes it holds."""
 
     tier = "cpu"
 
     def __init__(self, nbytes: int, pin: bool) -> None:
         self.buf = aligned_empty(nbytes, pin=pin)
+        self.pinned = nbytes if pin else 0
+
+    def view(self, unit: Unit, k: int) -> torch.Tensor:
+        """Segment ``k`` of ``unit`` as it is stored here (its dtype and shape)."""
+        seg = unit.segments[k]
+        p = seg.param
+        return self.buf[seg.start:seg.end].view(p.dtype).view(p.shape)
 
     def load(self, unit: Unit, mover: Mover) -> None:
         for seg in unit.segments:

@@ -42,7 +42,7 @@ class UnitBuilder:
         if not groups:
             return []
         policy = self.policy
-        if policy.grads == "nvme" or policy.activations is not None:
+        if policy.pages_grads or policy.activations is not None:
             raise NotImplementedError(
                 "with FSDP2 (fully_shard) tieroffload pages parameter shards and optimizer "
                 f"state; grads={policy.grads!r} and activations={policy.activations!r} are not "

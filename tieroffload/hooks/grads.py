@@ -1,20 +1,23 @@
-"""Gradients paged to NVMe (``Policy(grads="nvme")``).
+"""Gradients paged off the compute device: to NVMe (``Policy(grads="nvme")``), or to pinned
+host RAM with CUDA compute (``grads="cpu"``).
 
 When a unit's backward is done, ``p.grad`` goes back to None and the mover thread adds those
-gradients to what earlier micro-batches left on NVMe (``stored + new``: the sum AccumulateGrad
-makes) and writes them there, while backward goes on; gradients never pile up in RAM. The paged
-optimizer reads them back chunk by chunk for its step, which consumes them.
+gradients to what earlier micro-batches stored (``stored + new``: the sum AccumulateGrad makes)
+and writes them to their home, while backward goes on; gradients never pile up where compute
+runs. On CUDA the mover's copies run on its own stream after an event of the compute stream,
+which is never synchronised. The paged optimizer reads them back chunk by chunk for its step
+(the host step reads a RAM home in place), which consumes them.
 """
 
 from __future__ import annotations
 
 import collections
+from typing import Callable
 
 import torch
 
 from ..aio.pages import PagePool
-from ..aio.swap import SwapSpace
-from ..core.homes import NvmeHome
+from ..core.homes import Home, RamHome
 from ..core.mover import Mover, Ticket, timed_wait
 from ..core.stats import Stats
 from ..core.units import Unit
@@ -23,7 +26,10 @@ from ..core.units import Unit
 class GradPager:
     DEPTH = 2  # units whose gradients may wait for the mover at once
 
-    def __init__(self, units: list[Unit], swap: SwapSpace, mover: Mover, stats: Stats) -> None:
+    def __init__(self, units: list[Unit], home: Callable[[int], Home], mover: Mover,
+                 stats: Stats) -> None:
+        """``home(nbytes)``: where one unit's gradients are stored (an NVMe extent, or a pinned
+        RAM buffer of exactly that size)."""
         self.pending: collections.deque[Ticket] = collections.deque()  # stores
         self.incoming: dict[int, Ticket] = {}  # loads for the step, by unit
         self.mover = mover
@@ -36,14 +42,15 @@ class GradPager:
         # its stored gradients; they multiply them as they come in (or before more are added).
         self.clips: dict[int, list[torch.Tensor]] = {}
         for u in units:
-            grads = [(f"{n}.grad", torch.empty_like(p, memory_format=torch.contiguous_format))
+            grads = [(f"{n}.grad", torch.empty_like(p, device=mover.device,
+                                                    memory_format=torch.contiguous_format))
                      for n, p in zip(u.names, u.params) if p.requires_grad]
             if not grads:
                 continue
             g = Unit(u.id, f"gradients of {u.name}", grads)
-            g.home = NvmeHome(swap, g.nbytes)
-            if not mover.cuda:  # O_DIRECT straight into the gradients: no staging copy
-                g.adopt_flat(swap.align)
+            g.home = home(g.nbytes)
+            if g.home.tier == "nvme" and not mover.cuda:  # O_DIRECT straight in: no staging
+                g.adopt_flat(g.home.swap.align)
             g.free()
             self.buffers[u.id] = g
             self._params[u.id] = [p for p in u.params if p.requires_grad]
@@ -51,6 +58,10 @@ class GradPager:
         # Pages of gradients written out, for the next unit's: one unit's worth at most.
         self.pool = PagePool(max((g.flat.numel() for g in self.buffers.values()
                                   if g.flat is not None), default=0))
+        self.in_ram = any(isinstance(g.home, RamHome) for g in self.buffers.values())
+        self.pinned = sum(g.home.pinned for g in self.buffers.values()
+                          if isinstance(g.home, RamHome))
+        stats.pinned += self.pinned
 
     def _grad_params(self, u: Unit) -> list[torch.nn.Parameter]:
         """The parameters whose gradients the unit's buffer holds, in its segments' order: those
@@ -185,9 +196,35 @@ class GradPager:
             self.finite.pop(uid, None)
             self.clips.pop(uid, None)
 
+    def host_grads(self, units: list[Unit], clips: list[torch.Tensor]
+                   ) -> dict[int, torch.Tensor]:
+        """The stored gradients of ``units`` in a RAM home, by parameter id, for a step on the
+        host: the home's own memory, or, where clip coefficients are pending (the pager's,
+        then ``clips``), a copy multiplied by them in the gradients' dtype, as
+        ``clip_grad_norm_`` multiplies ``p.grad``; what is stored stays unclipped."""
+        self.flush()
+        out = {}
+        for u in units:
+            g = self.buffers.get(u.id)
+            if g is None:
+                continue
+            coefs = self.clips.get(u.id, []) + clips
+            for k, (p, h) in enumerate(zip(self._grad_params(u), self.has[u.id])):
+                if not h:
+                    continue
+                t = g.home.view(g, k)  # type: ignore[union-attr]
+                if coefs:
+                    t = t.clone()
+                    for c in coefs:
+                        t.mul_(c.to(t.device))
+                out[id(p)] = t
+        return out
+
     def close(self) -> None:
         self.flush()
         self.pool.clear()
+        self.stats.pinned -= self.pinned
+        self.pinned = 0
 
     def all_finite(self) -> bool:
         self.flush()

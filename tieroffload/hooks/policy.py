@@ -91,6 +91,12 @@ class BasePolicy:
             raise ValueError('grads="nvme" needs params="nvme"')
         if self.grads not in TIERS:
             raise ValueError(f"grads must be one of {TIERS}, not {self.grads!r}")
+        if self.grads == "cpu" and self.compute_device().type == "cuda" \
+                and not self.pages_params:
+            raise ValueError(
+                'grads="cpu" with CUDA compute pages each unit\'s gradients to pinned RAM as '
+                f'its backward ends, which needs params="cpu" or "nvme", not {self.params!r}; '
+                'use grads="gpu" with params="gpu"')
         if self.optimizer not in TIERS:
             raise ValueError(f"optimizer must be one of {TIERS}, not {self.optimizer!r}")
         if self.activations not in (None, "cpu", "nvme"):
@@ -138,6 +144,13 @@ class BasePolicy:
         with CUDA compute."""
         return self.params == "nvme" or (self.params == "cpu"
                                          and self.compute_device().type == "cuda")
+
+    @property
+    def pages_grads(self) -> bool:
+        """Gradients leave the compute device as each unit's backward ends (``p.grad`` is None
+        after it): to NVMe, or to pinned RAM with CUDA compute."""
+        return self.grads == "nvme" or (self.grads == "cpu"
+                                        and self.compute_device().type == "cuda")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (JSON-ready); ``Policy.from_dict`` reads it back."""

@@ -103,13 +103,14 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
                 raise MemoryError(
                     f'params="cpu" keeps all {total} bytes ({format_bytes(total)}) of parameters '
                     f"in RAM, over cpu_budget={policy.cpu_budget}; use params=\"nvme\"")
-        if policy.grads == "nvme":
+        if policy.pages_grads:
             sparse = next((n for n, m in model.named_modules()
                            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse), None)
             if sparse is not None:
                 raise ValueError(
                     f"tieroffload.offload: module {sparse!r} has sparse=True, whose sparse "
-                    'gradients cannot be paged to NVMe (grads="nvme"): use grads="cpu"')
+                    f"gradients cannot be paged (grads={policy.grads!r}): keep them on the "
+                    'compute device (grads="cpu" on the CPU, grads="gpu" with CUDA)')
         try:  # a failure here (no room on the disk, say) leaves no thread or file behind
             if self.offloaded and largest is not None:
                 self._setup_tiers(largest, io_delay)
@@ -141,8 +142,13 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
         prefetch_units, prefetch_bytes = policy.prefetch_window()
         self.scheduler = Scheduler(self.units, self.mover, self.budget, prefetch_units,
                                    prefetch_bytes, self.stats, policy.adapt)
-        self.grads = (GradPager(self.units, self.swap, self.mover, self.stats)
-                      if policy.grads == "nvme" else None)
+        self.grads = None
+        if policy.grads == "nvme":
+            self.grads = GradPager(self.units, lambda n: NvmeHome(self.swap, n), self.mover,
+                                   self.stats)
+        elif policy.grads == "cpu" and self.device.type == "cuda":
+            self.grads = GradPager(self.units, lambda n: RamHome(n, pin=True), self.mover,
+                                   self.stats)
         # With several ranks, DDP reduces the gradients in a callback at the end of backward:
         # they are paged once backward is over, after it (see _end_backward).
         self._defer_grads = self.grads is not None and world_size() > 1
@@ -236,6 +242,8 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
         if self.grads is not None:
             for g in self.grads.buffers.values():
                 add("grads", g.held())
+                if isinstance(g.home, RamHome):
+                    add("grads", ([(g.home.buf.data_ptr(), g.home.buf.numel())], 0))
             add("parked", (list(self.grads.pool.ranges), 0))
         if self.scheduler is not None:
             add("parked", (list(self.scheduler.pool.ranges), 0))

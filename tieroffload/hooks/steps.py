@@ -98,7 +98,7 @@ def _module_zero_grad(module: nn.Module, orig: Callable[..., None]) -> Callable[
 
 
 def drop_stored_grads(params: Iterable[torch.Tensor]) -> None:
-    """Forgets the gradients of ``params`` that wait on NVMe (``grads="nvme"``), which
+    """Forgets the paged gradients of ``params`` (``Policy.pages_grads``), which
     ``p.grad`` does not show: a plain optimizer's ``zero_grad`` cannot reach them (a paged
     optimizer's does)."""
     ids = {id(p) for p in params}
@@ -116,7 +116,7 @@ def _paged(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def has_paged_grads(params: list[torch.Tensor]) -> bool:
-    """True when some of ``params`` have their gradients paged to NVMe (grads="nvme")."""
+    """True when some of ``params`` have their gradients paged (``Policy.pages_grads``)."""
     return bool(_paged(params))
 
 

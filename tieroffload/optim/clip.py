@@ -1,6 +1,7 @@
-"""``torch.nn.utils.clip_grad_norm_`` over offloaded parameters whose gradients wait on NVMe
-(``grads="nvme"``, where ``p.grad`` is None): they are clipped where they are stored (see
-``hooks.steps.clip_paged``), so code that calls torch's function gets the true norm.
+"""``torch.nn.utils.clip_grad_norm_`` over offloaded parameters whose gradients are paged
+(``grads="nvme"``, or ``"cpu"`` with CUDA, where ``p.grad`` is None): they are clipped where
+they are stored (see ``hooks.steps.clip_paged``), so code that calls torch's function gets the
+true norm.
 ``clip_grad_value_`` cannot reach them, and says so."""
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def clip_grad_value_(parameters: torch.Tensor | Iterable[torch.Tensor], clip_val
     params = _listed(parameters)
     if has_paged_grads(params):
         raise RuntimeError(
-            'tieroffload: grads="nvme" keeps gradients on NVMe (p.grad is None), where '
-            "clip_grad_value_ cannot reach them; keep them in RAM (grads=\"cpu\") or clip by "
-            "norm (torch.nn.utils.clip_grad_norm_)")
+            'tieroffload: paged gradients (grads="nvme", or grads="cpu" with CUDA) are not in '
+            "p.grad, where clip_grad_value_ cannot reach them; keep them on the compute device "
+            '(grads="cpu" on the CPU, grads="gpu" with CUDA) or clip by norm '
+            "(torch.nn.utils.clip_grad_norm_)")
     return _torch_clip_grad_value_(params, clip_value, foreach)
 
 

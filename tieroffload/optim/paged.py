@@ -79,11 +79,6 @@ class PagedOptimizer(torch.optim.Optimizer):
         device = self.offload.device
         # The host step: CUDA compute, the state and fp32 masters in host RAM or on NVMe.
         self.host_step = self.tier != "gpu" and device.type == "cuda"
-        if self.host_step and policy.grads != "gpu":
-            raise ValueError(
-                f'optimizer="{self.tier}" with CUDA compute takes the gradients from the GPU '
-                f'(copied to pinned host memory chunk by chunk at the step): use grads="gpu", '
-                f'not grads="{policy.grads}"')
         if self.tier == "gpu" and device.type != "cuda":
             raise ValueError('optimizer="gpu" needs a CUDA compute device')
         self.host = torch.device("cpu") if self.tier != "gpu" else device
@@ -452,7 +447,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             if self._pending:
                 first = chunks[min(self._pending)]
                 self._page_in(first)
-                if self.offload.grads is not None:
+                if self.offload.grads is not None and not self._grads_in_ram(first):
                     self.offload.grads.start_bring_in(first.units)
         else:
             clips, self._clips = self._clips, []
@@ -634,7 +629,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 # Earlier chunks' stores first: their pages go to the state read next.
                 self._drain()
                 self._page_in(ahead)
-                if self.offload.grads is not None:
+                if self.offload.grads is not None and not self._grads_in_ram(ahead):
                     self.offload.grads.start_bring_in(ahead.units)
                 if sched is not None and nxt is not None:
                     sched.prefetch(nxt.units)
@@ -645,7 +640,9 @@ class PagedOptimizer(torch.optim.Optimizer):
             if grads is not None:
                 for p, g in zip(chunk.params, grads):
                     p.grad = g
-            if self.offload.grads is not None:
+            if self._grads_in_ram(chunk):
+                self._grads_from_ram(chunk, clips)
+            elif self.offload.grads is not None:
                 self.offload.grads.bring_in(chunk.units)
             self._step_chunk(chunk, scale, clips)
             # Deferred until updated: a deferred update that fails (a read of its gradients,
@@ -696,6 +693,25 @@ class PagedOptimizer(torch.optim.Optimizer):
             ev = self.xfer.to_host(g, v)
         chunk.host_grads = {i: v for (i, _), v in zip(have, views)}
         chunk.grads_event = ev
+
+    def _grads_in_ram(self, chunk: _Chunk) -> bool:
+        """The host steps the chunk with gradients paged to pinned RAM (``grads="cpu"`` with
+        CUDA): it reads them where they are, with no trip back to the device."""
+        pager = self.offload.grads
+        return pager is not None and pager.in_ram and len(chunk.masters) == len(chunk.params)
+
+    def _grads_from_ram(self, chunk: _Chunk, clips: list[torch.Tensor]) -> None:
+        """Sets ``chunk.host_grads`` from the RAM home of its paged gradients: each one times
+        the clip coefficients in its own dtype (as torch clips ``p.grad``), then in fp32."""
+        stored = self.offload.grads.host_grads(chunk.units, clips)  # type: ignore[union-attr]
+        have = [(i, stored[id(chunk.params[i])]) for i in chunk.masters
+                if id(chunk.params[i]) in stored]
+        views = self.grad_bufs.views(self._grad_slot, [g for _, g in have], torch.float32)
+        self._grad_slot += 1
+        for (_, g), v in zip(have, views):
+            v.copy_(g)
+        chunk.host_grads = {i: v for (i, _), v in zip(have, views)}
+        chunk.grads_event = None
 
     def _masters_back(self, chunk: _Chunk) -> None:
         """The updated masters, rounded to their parameters' dtype on the host, go back to
