@@ -343,6 +343,27 @@ def test_meta_model_streamed_from_safetensors(tmp_path):
     tieroffload.close(model)
 
 
+class Lazy(dict):
+    """A state dict that makes each tensor as it is asked for (stored: its shape)."""
+
+    def __getitem__(self, name):
+        return torch.full(super().__getitem__(name), 0.5)
+
+
+def test_load_weights_from_a_mapping_that_makes_tensors_on_demand(tmp_path):
+    with torch.device("meta"):
+        model = TinyGPT()
+    tieroffload.offload(model, Policy(params="nvme", nvme_dir=str(tmp_path), device="cpu"))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    tieroffload.load_weights(model, Lazy(shapes))
+    with tieroffload.materialize(model):
+        assert all(bool((p == 0.5).all()) for p in model.parameters())
+    wrong = Lazy(shapes, **{"blocks.0.ln1.bias": (1,)})  # copy_ would broadcast it
+    with pytest.raises(ValueError, match=r"blocks.0.ln1.bias: weights have shape \(1,\)"):
+        tieroffload.load_weights(model, wrong)
+    tieroffload.close(model)
+
+
 def test_swap_file_named_stably_and_removed(tmp_path):
     def swap_files():  # each rank keeps its files in a folder of its own
         where = tmp_path / "rank0"

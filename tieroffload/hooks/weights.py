@@ -58,7 +58,9 @@ def load_weights(model: nn.Module, source: Source, strict: bool = True) -> None:
     shapes: dict[str, tuple[int, ...]] = {}  # of every key, from the headers
     if isinstance(source, dict):
         plan = [(None, set(source))]
-        shapes = {k: tuple(v.shape) for k, v in source.items()}
+        # A mapping that makes its tensors as they are asked for (a subclass whose stored
+        # values are not tensors) has each one's shape checked as it is read instead.
+        shapes = {k: tuple(v.shape) for k, v in source.items() if isinstance(v, torch.Tensor)}
     else:
         from safetensors import safe_open
 
@@ -89,7 +91,7 @@ def load_weights(model: nn.Module, source: Source, strict: bool = True) -> None:
     for u in s.units:
         for n, p in zip(u.names, u.params):
             for k in names.get(id(p), {n}) & every:
-                if shapes[k] != tuple(p.shape):
+                if shapes.get(k, tuple(p.shape)) != tuple(p.shape):
                     raise ValueError(f"{k}: weights have shape {shapes[k]}, the model "
                                      f"{tuple(p.shape)}")
     for f, keys in plan:
@@ -118,7 +120,11 @@ def _load_from(s: OffloadState, names: dict[int, set[str]], keys: set[str],
             continue
         with s.resident([u], writeback=s.mover is not None), torch.no_grad():
             for name, p in todo:
-                p.copy_(get(name))  # shapes checked by load_weights
+                t = get(name)
+                if tuple(t.shape) != tuple(p.shape):  # copy_ would broadcast
+                    raise ValueError(f"{name}: weights have shape {tuple(t.shape)}, the model "
+                                     f"{tuple(p.shape)}")
+                p.copy_(t)
             s.mark_loaded([p for _, p in todo])
 
 
