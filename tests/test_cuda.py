@@ -69,6 +69,36 @@ def test_gpu_paged_optimizer_state_on_gpu(tmp_path):
     tieroffload.close(model)
 
 
+def test_gpu_bf16_parameters_get_fp32_masters_on_the_gpu(tmp_path):
+    """optimizer="gpu" with bf16 parameters: fp32 masters beside them on the GPU, stepped by
+    AdamW(fused=True) with the bf16 gradients; no host buffer, nothing pinned."""
+    torch.manual_seed(0)
+    ref = mlp().to("cuda", torch.bfloat16)
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(params="nvme", nvme_dir=str(tmp_path),
+                                                           device="cuda", optimizer="gpu"))
+    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    opt_ref = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    for _ in range(3):
+        x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+        ref(x).float().square().mean().backward()
+        for q, p in zip(masters, ref.parameters()):
+            q.grad = p.grad.float()
+        opt_ref.step()
+        with torch.no_grad():
+            for q, p in zip(masters, ref.parameters()):
+                p.copy_(q)
+        ref.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(ref(x), model(x))
+    assert tieroffload.stats(model)["pinned"] == 0
+    opt.close()
+    tieroffload.close(model)
+
+
 # -- the host step: fp32 masters and AdamW state in RAM or on NVMe, compute on the GPU ---------
 
 # (params, optimizer state, gradients): gradients stay on the GPU until the step, or go to

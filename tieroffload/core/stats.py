@@ -23,7 +23,7 @@ class Stats:
     adaptations: list = field(default_factory=list)  # changes of the depth, and why
     peak_resident: int = 0
     resident: int = 0
-    pinned: int = 0        # page-locked host memory held (the host step's buffers)
+    pinned: int = 0        # page-locked host memory held: host-step buffers, RAM gradients
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)

@@ -281,7 +281,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._grad_slot = 0
         self._back_event: Any = None
         sized = [[c.params[i] for i in c.masters] for c in self.chunks if c.masters]
-        if not sized:
+        if not sized or self.host.type == "cuda":  # masters on the GPU: no host step
             return
         def span(ts: list[torch.Tensor], itemsize: int | None) -> int:
             return sum(-(-t.numel() * (itemsize or t.element_size()) // 64) * 64 for t in ts)
@@ -686,6 +686,10 @@ class PagedOptimizer(torch.optim.Optimizer):
         their ``p.grad``) to host fp32 buffers; ``_step_chunk`` waits for them."""
         have = [(i, g) for i in chunk.masters
                 if (g := (grads[i] if grads is not None else chunk.params[i].grad)) is not None]
+        if self.grad_bufs is None:  # fp32 masters on the GPU (optimizer="gpu"), beside them
+            chunk.host_grads = {i: g.to(torch.float32, copy=True) for i, g in have}
+            chunk.grads_event = None
+            return
         views = self.grad_bufs.views(self._grad_slot, [g for _, g in have], torch.float32)
         self._grad_slot += 1
         ev = None
@@ -698,7 +702,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         """The host steps the chunk with gradients paged to pinned RAM (``grads="cpu"`` with
         CUDA): it reads them where they are, with no trip back to the device."""
         pager = self.offload.grads
-        return pager is not None and pager.in_ram and len(chunk.masters) == len(chunk.params)
+        return (self.grad_bufs is not None and pager is not None and pager.in_ram
+                and len(chunk.masters) == len(chunk.params))
 
     def _grads_from_ram(self, chunk: _Chunk, clips: list[torch.Tensor]) -> None:
         """Sets ``chunk.host_grads`` from the RAM home of its paged gradients: each one times
@@ -716,6 +721,11 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _masters_back(self, chunk: _Chunk) -> None:
         """The updated masters, rounded to their parameters' dtype on the host, go back to
         the parameters (on the side stream for CUDA; the compute stream waits for them)."""
+        if self.copy_bufs is None:  # fp32 masters on the GPU (optimizer="gpu")
+            for i, q in chunk.masters.items():
+                chunk.params[i].copy_(q)
+                q.grad = None
+            return
         self.xfer.wait(self._back_event)  # the buffer's last copies are done
         idx = list(chunk.masters)
         views = self.copy_bufs.views(0, [chunk.params[i] for i in idx])
