@@ -165,13 +165,17 @@ class GradPager:
         fresh = [p.grad for p in params]
         self.bring_in([u])
         for p, f in zip(params, fresh):
-            if f is None:
-                continue
-            if p.grad is None:
+            stored = p.grad  # a view of the unit's buffer, which is freed below
+            if stored is None:
                 p.grad = f
+            elif f is None:
+                p.grad = stored.clone()
             else:
-                p.grad.add_(f)
+                p.grad = f.add_(stored)  # = stored + new: addition is commutative, bit for bit
         self.has[u.id] = [False] * len(params)
+        # Nothing may keep viewing the buffer: paged out again (a step() that finds these
+        # gradients in p.grad stores them), it would be refilled under them.
+        self.buffers[u.id].free(self.pool)
 
     def consume(self, units: list[Unit]) -> None:
         """After the step: the gradients are used up."""
@@ -203,12 +207,16 @@ class GradPager:
         then ``clips``), a copy multiplied by them in the gradients' dtype, as
         ``clip_grad_norm_`` multiplies ``p.grad``; what is stored stays unclipped."""
         self.flush()
+        host = torch.device("cpu")
+        clips = [c.to(host) for c in clips]  # once: each .to() of a GPU scalar waits for it
         out = {}
         for u in units:
             g = self.buffers.get(u.id)
             if g is None:
                 continue
-            coefs = self.clips.get(u.id, []) + clips
+            if u.id in self.incoming:  # read back for a merge that did not happen: not needed,
+                timed_wait(self.incoming.pop(u.id), self.stats)  # but done before it is freed
+            coefs = [c.to(host) for c in self.clips.get(u.id, [])] + clips
             for k, (p, h) in enumerate(zip(self._grad_params(u), self.has[u.id])):
                 if not h:
                     continue
@@ -216,13 +224,16 @@ class GradPager:
                 if coefs:
                     t = t.clone()
                     for c in coefs:
-                        t.mul_(c.to(t.device))
+                        t.mul_(c)
                 out[id(p)] = t
         return out
 
     def close(self) -> None:
         self.flush()
         self.pool.clear()
+        for g in self.buffers.values():
+            if isinstance(g.home, RamHome):
+                g.home.release()  # pinned: unregistered now, not when the state goes
         self.stats.pinned -= self.pinned
         self.pinned = 0
 

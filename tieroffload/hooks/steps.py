@@ -168,9 +168,10 @@ def _step_pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if closure is not None and has_paged_grads(
             [p for g in optimizer.param_groups for p in g["params"]]):
         raise RuntimeError(
-            f"tieroffload: {type(optimizer).__name__}.step(closure) over gradients paged to "
-            "NVMe (grads=\"nvme\"): the closure's backward pages them away before the step "
-            "could use them; keep the gradients in RAM (grads=\"cpu\") for a closure")
+            f"tieroffload: {type(optimizer).__name__}.step(closure) over paged gradients "
+            "(grads=\"nvme\", or grads=\"cpu\" with CUDA): the closure's backward pages them "
+            "away before the step could use them; keep them on the compute device for a "
+            "closure (grads=\"cpu\" on the CPU, grads=\"gpu\" with CUDA)")
     for s in list(live):
         s.step_begin(optimizer)
 

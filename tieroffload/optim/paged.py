@@ -270,7 +270,7 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _needs_master(self, p: torch.Tensor) -> bool:
         """An fp32 copy where the optimizer steps: for fp16/bf16 parameters, and for every
         parameter the host steps for a device."""
-        return p.dtype in LOW_PRECISION or p.device != self.host
+        return p.dtype in LOW_PRECISION or p.device.type != self.host.type  # cuda == cuda:0
 
     def _host_buffers(self) -> None:
         """The host step's buffers, sized for the largest chunk: two of fp32 gradients (one
@@ -964,7 +964,8 @@ def optimizer(model: nn.Module, opt_cls: type[torch.optim.Optimizer],
         raise ValueError(f"tieroffload.optimizer: {opt_cls.__name__}.step needs a closure (it "
                          "re-evaluates the loss), which a step taken chunk by chunk cannot "
                          "give; step it as a plain optimizer over the model, with the "
-                         "gradients in RAM")
+                         'gradients on the compute device (grads="cpu" on the CPU, grads="gpu" '
+                         "with CUDA)")
     if params is not None:
         params = list(params)
     return PagedOptimizer(model, opt_cls, params, kwargs, loss_scale, overlap,

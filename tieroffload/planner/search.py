@@ -95,7 +95,7 @@ def candidates(cuda: bool, nvme: bool, prefetch: tuple[int, ...] = (1, 2, 4)
         if grads == "nvme" and params != "nvme":
             continue
         if grads == "gpu" and not cuda or grads == "cpu" and cuda:
-            continue  # gradients are made on the compute device, or paged to NVMe
+            continue  # on the compute device or NVMe; pinned RAM with CUDA is not predicted
         out.append(dict(params=params, optimizer=opt, grads=grads, activations=act,
                         prefetch=pf))
     return out
