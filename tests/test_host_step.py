@@ -179,13 +179,18 @@ class Branchy(torch.nn.Module):
         return self.c(h + self.b(h) if use_b else h)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("config", ["nvme-nvme-grads", RAM_GRADS])
-def test_a_unit_without_gradients_in_the_last_micro_batch_steps_after_backward(config, tmp_path):
+def test_a_unit_without_gradients_in_the_last_micro_batch_steps_after_backward(config, dtype,
+                                                                              tmp_path):
     """overlap="backward": a chunk one of whose units got no gradient in the last micro-batch
     steps in step(), from what the first stored; the read started for an in-backward merge
-    that did not happen is finished, not left to hand a freed buffer to the next step."""
+    that did not happen is finished, not left to hand a freed buffer to the next step. fp32
+    parameters are stepped in place (the reference's fp32 masters then equal them)."""
+    if dtype == torch.float32 and config == RAM_GRADS:
+        pytest.skip("the RAM home serves the host step, which fp32 on the CPU does not take")
     torch.manual_seed(0)
-    ref = Branchy().to(torch.bfloat16)
+    ref = Branchy().to(dtype)
     model = offload(copy.deepcopy(ref), config, tmp_path)
     masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
     opt_ref = torch.optim.AdamW(masters, lr=1e-2, fused=True)
@@ -195,7 +200,7 @@ def test_a_unit_without_gradients_in_the_last_micro_batch_steps_after_backward(c
         for m in (ref, model):
             for micro, use_b in enumerate(uses):
                 x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + micro))
-                (m(x.to(torch.bfloat16), use_b).float().square().mean() / ACCUM).backward()
+                (m(x.to(dtype), use_b).float().square().mean() / ACCUM).backward()
         manual_master_step(ref, masters, opt_ref, None)
         opt.step()
         opt.zero_grad()
