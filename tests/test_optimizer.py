@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import mounted
 from models import CheckpointedGPT, TinyGPT, mlp
+from torch import nn
 
 import tieroffload
 from tieroffload import Policy
@@ -533,4 +534,79 @@ def test_two_paged_optimizers_step_their_own_parameters_only(tmp_path, overlap):
     both.close()
     for o in opts:
         o.close()
+    tieroffload.close(model)
+
+
+class SometimesB(nn.Module):
+    """``b`` runs only when asked; 72 wide, so that each layer is a chunk of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(72, 72) for _ in range(3))
+
+    def forward(self, x, use_b=True):
+        h = self.a(x)
+        return self.c(h + self.b(h) if use_b else h)
+
+
+@pytest.mark.parametrize("overlap", [False, True, "backward"])
+@pytest.mark.parametrize("config", ["nvme-nvme", "nvme-nvme-grads"])
+def test_zero_grad_keeping_zeros_steps_a_module_left_without_gradients(config, overlap,
+                                                                       tmp_path):
+    """After zero_grad(set_to_none=False) plain PyTorch keeps a zero p.grad for every parameter
+    that had one and steps it in a step where it gets none (weight decay, the moments' decay):
+    so does the paged optimizer, whose p.grad is None after a step; set_to_none=True drops
+    that again."""
+    micro = 2
+    ref, model, opt_ref, opt = adamw_pair(
+        config, 0.0, overlap, tmp_path, make=SometimesB,
+        **({"accumulation_steps": micro} if overlap == "backward" else {}))
+    for step, (use_b, keep) in enumerate([(True, True), (False, True), (False, False),
+                                          (False, True), (True, True), (False, True)]):
+        for m in (ref, model):
+            for k in range(micro):
+                x = torch.randn(4, 72, generator=torch.Generator().manual_seed(10 * step + k))
+                (m(x, use_b).square().mean() / micro).backward()
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad(set_to_none=not keep)
+        with tieroffload.materialize(model):
+            for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+                assert torch.equal(a, b), (step, n)
+    assert_same_state(ref, model, opt_ref, opt)
+    opt.close()
+    tieroffload.close(model)
+
+
+def test_paged_gradients_need_one_paged_optimizer_per_module(tmp_path):
+    """Paged gradients are stored and used up a module at a time: an optimizer over a module's
+    weights and not its trainable bias is refused at once, naming both (a second optimizer
+    over the biases found none left); with gradients in RAM the split trains as usual."""
+    model = tieroffload.offload(nn.Sequential(nn.Linear(72, 72), nn.Linear(72, 72)),
+                                policy("nvme-nvme-grads", tmp_path))
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    with pytest.raises(ValueError, match=r"module '0' has parameters this optimizer steps and "
+                                         r"1 trainable one\(s\) it does not \('0.bias'\)"):
+        tieroffload.optimizer(model, torch.optim.AdamW, weights, lr=1e-2)
+    tieroffload.close(model)
+
+
+def test_a_parameter_made_trainable_after_offload_is_refused_where_gradients_are_paged(
+        tmp_path):
+    """Gradient paging is set up at offload for the parameters that require grad then: one
+    unfrozen later would never be stepped (or be stepped with part of its gradient), so its
+    first training forward refuses, naming it; freezing later is followed."""
+    ref = nn.Sequential(nn.Linear(72, 72), nn.Linear(72, 72))
+    ref[1].weight.requires_grad_(False)
+    model = tieroffload.offload(ref, policy("nvme-nvme-grads", tmp_path))
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    model(torch.randn(2, 72)).square().mean().backward()
+    opt.step()
+    model[1].weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"parameter '1.weight' requires grad but did not at "
+                                           r"offload\(\)"):
+        model(torch.randn(2, 72))
+    with torch.no_grad():  # inference is not refused
+        model(torch.randn(2, 72))
+    opt.close()
     tieroffload.close(model)

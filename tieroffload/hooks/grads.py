@@ -69,6 +69,11 @@ class GradPager:
         after a step keeps its stored gradient for that step's deferred update)."""
         return self._params.get(u.id, [])
 
+    def stored(self, units: list[Unit]) -> list[torch.nn.Parameter]:
+        """The parameters of ``units`` whose gradients are stored."""
+        return [p for u in units if u.id in self.has
+                for p, h in zip(self._grad_params(u), self.has[u.id]) if h]
+
     def page_out(self, u: Unit) -> None:
         """Hands the unit's fresh gradients to the mover thread, which adds them to the stored
         ones and writes them out while backward goes on. At most ``DEPTH`` units' gradients

@@ -68,6 +68,7 @@ class PassHooks:
             h.append(module.register_load_state_dict_pre_hook(self._load_pre(units)))
             h.append(module.register_load_state_dict_post_hook(self._load_post(units)))
         fsdp_units = {u.id for _, u in self.fsdp_units}
+        self._trainable = {id(p) for u in self.units for p in u.params if p.requires_grad}
         for u in self.units:
             for p in u.params:
                 if p.requires_grad and u.id not in fsdp_units:
@@ -96,11 +97,28 @@ class PassHooks:
             self._release_fwd_pins()  # left by a forward that raised past its hooks
             self.release_touched()
             if torch.is_grad_enabled():
+                self._check_trainable()
                 self._fresh_forward = True
                 for opt in list(self.optimizers):
                     opt.forward_begins()
             self.cores.give_back()  # a forward that raised kept it
         self.scheduler.begin_iteration()
+
+    def _check_trainable(self) -> None:
+        """Paged gradients and steps inside backward follow, per parameter, the gradients of
+        those that required grad at offload (freezing one later is followed): a parameter made
+        trainable since is refused before its first training forward."""
+        if self.grads is None and not any(o.overlap == "backward" for o in self.optimizers):
+            return
+        for u in self.units:
+            for n, p in zip(u.names, u.params):
+                if p.requires_grad and id(p) not in self._trainable:
+                    raise RuntimeError(
+                        f"tieroffload: parameter {n!r} requires grad but did not at offload(); "
+                        f"gradients paged (grads={self.policy.grads!r}) or stepped inside "
+                        'backward (overlap="backward") are set up at offload for the '
+                        "parameters that require grad then: make it trainable before offload() "
+                        "(freezing it later is followed), or close and offload again")
 
     def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self.cores.give_back()  # the code between passes is the user's

@@ -90,6 +90,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         probe = opt_cls([nn.Parameter(torch.zeros(1, device=self.host))], **kwargs)
         super().__init__(self._local_params(model, params), dict(probe.defaults))
         self._ids = frozenset(id(p) for g in self.param_groups for p in g["params"])
+        if self.offload.grads is not None:
+            self._check_whole_units()
         self.opt_cls, self.kwargs = opt_cls, kwargs
         self.swap: SwapSpace | None = None
         self.mover = self.offload.mover
@@ -148,6 +150,12 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._torn: list[int] = []  # chunks stepped by a backward that then raised
         self._pending: dict[int, list[torch.Tensor | None] | None] = {}  # chunk -> its grads
         self._pending_scale: float | None = None
+        # zero_grad(set_to_none=False): plain PyTorch keeps a zero p.grad for every parameter
+        # that had one, and steps it (weight decay, moments) in a step where it gets no
+        # gradient; here p.grad is None after a step, so those are filled with zeros.
+        self._had_grad: set[int] = set()  # got a gradient since zero_grad(set_to_none=True)
+        self._fill: frozenset[int] = frozenset()  # would hold a zero p.grad now
+        self._pending_fill: frozenset[int] = frozenset()  # _fill of the deferred step
         self._clips: list[torch.Tensor] = []  # clip_grad_norm_ factors of paged gradients
         self._pending_clips: list[torch.Tensor] = []  # those of the deferred updates
         self._settling = False
@@ -171,6 +179,22 @@ class PagedOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(chunk.params):
             n += (slots + (i in chunk.masters)) * p.numel() * 4 + 64
         return n
+
+    def _check_whole_units(self) -> None:
+        """Paged gradients are stored, read back and used up a unit (module) at a time: one
+        paged optimizer steps all of a module's trainable parameters or none."""
+        for u in self.offload.units:
+            if not any(id(p) in self._ids for p in u.params):
+                continue
+            other = [n for n, p in zip(u.names, u.params)
+                     if p.requires_grad and id(p) not in self._ids]
+            if other:
+                raise ValueError(
+                    f"tieroffload.optimizer: module {u.name!r} has parameters this optimizer "
+                    f"steps and {len(other)} trainable one(s) it does not ({other[0]!r}); with "
+                    f"gradients paged (grads={self.offload.policy.grads!r}) a module's "
+                    "gradients are stored and used up together, so one paged optimizer steps "
+                    "all of them: give different settings (lr, weight_decay) by param groups")
 
     def _local_params(self, model: nn.Module, params: list | None) -> list:
         """The parameters (or param groups) to step, with FSDP's DTensor parameters replaced
@@ -426,13 +450,15 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._ready.clear()
             for i in todo:
                 self._sync_groups(chunks[i])
-            self._run(todo, None, [])
+            self._run(todo, None, [], self._fill, record=True)
             return loss
         for chunk in chunks:  # the hyperparameters (a scheduler's lr) of this step
             self._sync_groups(chunk)
         if self.overlap:
             for i, chunk in enumerate(chunks):
                 self._pending[i] = self._take_grads(chunk)
+                self._had_grad.update(self._with_grads(chunk, self._pending[i]))
+            self._pending_fill = self._fill
             for shard in self.offload.shards:
                 shard.clear_grad(set_to_none=True)  # taken with the locals' gradients
             self._pending_scale = scale
@@ -451,7 +477,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                     self.offload.grads.start_bring_in(first.units)
         else:
             clips, self._clips = self._clips, []
-            self._run(list(range(len(chunks))), scale, clips)
+            self._run(list(range(len(chunks))), scale, clips, self._fill, record=True)
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         return loss
@@ -484,7 +510,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._sync_groups(chunk)
         with torch.no_grad():
             self._state_in(chunk)
-            self._step_chunk(chunk, None, [])  # the step hooks bring the parameters in and out
+            # the step hooks bring the parameters in and out
+            self._step_chunk(chunk, None, [], self._fill, record=True)
             for p in chunk.params:
                 p.grad = None
             self._consume_grads(chunk)
@@ -552,6 +579,14 @@ class PagedOptimizer(torch.optim.Optimizer):
         if self.offload.grads is not None:
             self.offload.grads.start_bring_in(chunk.units)
 
+    def _with_grads(self, chunk: _Chunk, grads: list[torch.Tensor | None] | None) -> set[int]:
+        """Ids of the chunk's parameters that have a gradient for the step: in ``grads`` (taken
+        from ``p.grad``), or, where those wait in the gradient pager (None), stored there."""
+        if grads is not None:
+            return {id(p) for p, g in zip(chunk.params, grads) if g is not None}
+        pager = self.offload.grads
+        return {id(p) for p in pager.stored(chunk.units)} if pager is not None else set()
+
     def _take_grads(self, chunk: _Chunk) -> list[torch.Tensor | None] | None:
         """The chunk's gradients, kept for its deferred update (None: they wait on NVMe)."""
         if self.offload.grads is not None:
@@ -573,13 +608,15 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._settling = True
         try:
             with torch.no_grad():  # called from forward hooks too
-                self._run(todo, self._pending_scale, self._pending_clips)
+                self._run(todo, self._pending_scale, self._pending_clips, self._pending_fill,
+                          record=False)  # recorded when step() took the gradients
         finally:
             self._settling = False
         if not self._pending:
             self.offload.pending_opts.discard(self)
 
-    def _run(self, todo: list[int], scale: float | None, clips: list[torch.Tensor]) -> None:
+    def _run(self, todo: list[int], scale: float | None, clips: list[torch.Tensor],
+             fill: frozenset[int], record: bool) -> None:
         """Updates chunks ``todo`` in order (gradients times ``clips``), pipelined: chunk i+1's
         state, gradients and parameters come in while chunk i is updated, and chunk i-1's state
         goes out. After the last, the next deferred chunk's state starts coming in."""
@@ -588,7 +625,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         done = 0
         try:
             for k in range(len(todo)):
-                self._run_chunk(todo, k, sched, scale, clips)
+                self._run_chunk(todo, k, sched, scale, clips, fill, record)
                 done += 1  # updated: a failure from here on must not update it again
                 self._consume_grads(chunks[todo[k]])
                 self._page_out(chunks[todo[k]])
@@ -603,6 +640,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                     self._resume = True
             self._pending_scale = scale
             self._pending_clips = clips
+            self._pending_fill = fill
             raise
         if not self._pending:  # the step is done: nothing more to overlap its stores with
             self._drain()
@@ -611,7 +649,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 self.offload.grads.pool.clear()
 
     def _run_chunk(self, todo: list[int], k: int, sched: Any, scale: float | None,
-                   clips: list[torch.Tensor]) -> None:
+                   clips: list[torch.Tensor], fill: frozenset[int], record: bool) -> None:
         """Updates chunk ``todo[k]`` (see ``_run``): its state, gradients and parameters in,
         the next chunk's on their way."""
         chunks = self.chunks
@@ -644,7 +682,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 self._grads_from_ram(chunk, clips)
             elif self.offload.grads is not None:
                 self.offload.grads.bring_in(chunk.units)
-            self._step_chunk(chunk, scale, clips)
+            self._step_chunk(chunk, scale, clips, fill, record)
             # Deferred until updated: a deferred update that fails (a read of its gradients,
             # in the forward that settles it) stays deferred, and is not taken for a step that
             # failed part way (see _run), which would skip the caller's next step().
@@ -656,8 +694,10 @@ class PagedOptimizer(torch.optim.Optimizer):
             if sched is not None:
                 sched.release(chunk.units)
 
-    def _step_chunk(self, chunk: _Chunk, scale: float | None,
-                    clips: list[torch.Tensor]) -> None:
+    def _step_chunk(self, chunk: _Chunk, scale: float | None, clips: list[torch.Tensor],
+                    fill: frozenset[int], record: bool) -> None:
+        """Updates the chunk with the gradients it has (``p.grad``, or its masters' host
+        copies); those in ``fill`` that have none get zeros; ``record``: note which had one."""
         for p in chunk.params:
             for c in clips:  # clip_grad_norm_ of gradients that were on NVMe
                 if p.grad is not None:
@@ -669,6 +709,12 @@ class PagedOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(chunk.params):
             q = chunk.masters.get(i)
             g = p.grad if q is None else chunk.host_grads.get(i)  # type: ignore[union-attr]
+            if g is None and id(p) in fill:
+                g = torch.zeros_like(p if q is None else q, memory_format=torch.preserve_format)
+                if q is None:
+                    p.grad = g
+            elif g is not None and record:
+                self._had_grad.add(id(p))
             if q is not None:
                 q.grad = g
             if g is not None and scale is not None:
@@ -831,6 +877,11 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._backwards = 0  # what was accumulated is gone
+        if set_to_none:
+            self._had_grad.clear()
+            self._fill = frozenset()
+        else:
+            self._fill = frozenset(self._had_grad)
         self._clips = []
         self._ready.clear()
         if self.offload.grads is not None:  # deferred updates keep the gradients they took
