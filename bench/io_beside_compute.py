@@ -50,7 +50,6 @@ def adamw(reps: int, n: int = 1 << 25) -> float:
     return time.perf_counter() - t
 
 
-WORK = {"matmul": matmul, "adamw": adamw}
 
 
 def beside(fn, io) -> tuple[float, float]:
@@ -74,6 +73,8 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="scratch directory on the disk to measure")
     p.add_argument("--gib", type=float, default=4.0, help="bytes streamed per I/O run")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--adamw-params", type=int, default=1 << 25,
+                   help="parameters of the AdamW work")
     args = p.parse_args()
     size = int(args.gib * (1 << 30)) // CHUNK * CHUNK
     eng = IOConfig().engine()
@@ -100,7 +101,8 @@ def main() -> None:
               f"of {args.rounds} rounds; alone: read {alone_io['read']:.2f} s "
               f"({size / alone_io['read'] / 1e9:.2f} GB/s), write {alone_io['write']:.2f} s "
               f"({size / alone_io['write'] / 1e9:.2f} GB/s)")
-        for name, work in WORK.items():
+        work_kinds = {"matmul": matmul, "adamw": functools.partial(adamw, n=args.adamw_params)}
+        for name, work in work_kinds.items():
             # compute a little longer than the longer I/O run, so that all of it is beside
             reps = max(2, round(1.2 * max(alone_io.values()) / (work(2) / 2)))
             rows: dict[str, list[float]] = {"alone": [], "read": [], "write": []}
