@@ -143,12 +143,11 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
         self.scheduler = Scheduler(self.units, self.mover, self.budget, prefetch_units,
                                    prefetch_bytes, self.stats, policy.adapt)
         self.grads = None
-        if policy.grads == "nvme":
-            self.grads = GradPager(self.units, lambda n: NvmeHome(self.swap, n), self.mover,
-                                   self.stats)
-        elif policy.grads == "cpu" and self.device.type == "cuda":
-            self.grads = GradPager(self.units, lambda n: RamHome(n, pin=True), self.mover,
-                                   self.stats)
+        if policy.pages_grads:  # to NVMe, or to pinned RAM with CUDA compute
+            swap = self.swap
+            home = ((lambda n: NvmeHome(swap, n)) if policy.grads == "nvme" else
+                    (lambda n: RamHome(n, pin=True)))
+            self.grads = GradPager(self.units, home, self.mover, self.stats)
         # With several ranks, DDP reduces the gradients in a callback at the end of backward:
         # they are paged once backward is over, after it (see _end_backward).
         self._defer_grads = self.grads is not None and world_size() > 1
