@@ -2,6 +2,7 @@
 paged optimizer with its state on the GPU. Skipped where there is no GPU."""
 
 import copy
+import gc
 import time
 
 import pytest
@@ -153,14 +154,20 @@ def test_host_step_equals_fused_adamw_over_host_masters(params, optim, grads, dt
         assert loss.item() == loss_ref.item(), step
         assert torch.equal(norm, norm_ref), step
     st = tieroffload.stats(model)
-    assert st["pinned"] > 0  # the host step's buffers are page-locked
+    nbytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+    homes = nbytes * ((params == "cpu") + (grads == "cpu"))
+    # every page-locked byte is counted: RAM homes, staging, the host step's buffers
+    assert st["pinned"] > homes
     if params != "gpu":
         assert st["peak_resident"] <= policy.gpu_budget
     with tieroffload.materialize(model):
         for a, b in zip(ref.parameters(), model.parameters()):
             assert b.device.type == "cuda" and b.dtype == dtype and torch.equal(a, b)
+    ledger = model._tieroffload.stats
     opt.close()
     tieroffload.close(model)
+    gc.collect()
+    assert ledger.pinned == 0  # all of it unregistered
 
 
 def test_host_step_orders_copies_with_events_not_synchronisation(tmp_path, monkeypatch):
@@ -177,6 +184,19 @@ def test_host_step_orders_copies_with_events_not_synchronisation(tmp_path, monke
     opt.step()
     monkeypatch.undo()
     opt.close()
+    tieroffload.close(model)
+
+
+def test_cpu_budget_bounds_the_pinned_homes_of_parameters_and_gradients(tmp_path):
+    model = TinyGPT().cuda()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kw = dict(optimizer="cpu", grads="cpu", device="cuda", nvme_dir=str(tmp_path))
+    with pytest.raises(MemoryError, match=f'grads="cpu" keeps all gradients in pinned RAM: '
+                                          f'{nbytes} bytes.*over cpu_budget={nbytes - 1}'):
+        tieroffload.offload(model, Policy(params="nvme", cpu_budget=nbytes - 1, **kw))
+    with pytest.raises(MemoryError, match='params="cpu" keeps all parameters and grads="cpu"'):
+        tieroffload.offload(model, Policy(params="cpu", cpu_budget=2 * nbytes - 1, **kw))
+    tieroffload.offload(model, Policy(params="cpu", cpu_budget=4 * nbytes, **kw))
     tieroffload.close(model)
 
 

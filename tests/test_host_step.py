@@ -4,6 +4,7 @@ and AdamW state in RAM or on NVMe. Bit-identical to torch AdamW(fused=True) over
 with gradient accumulation, clipping, an LR schedule, a checkpoint and an exact resume."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from models import TinyGPT
 from test_optimizer import CONFIGS, batch, manual_master_step, policy, warmup
 
 import tieroffload
-from tieroffload.core.devices import HostBuffers, Transfers
+from tieroffload.core.devices import HostBuffers, Transfers, pinned_empty
 from tieroffload.core.homes import RamHome
 from tieroffload.core.stats import Stats
 from tieroffload.hooks.grads import GradPager
@@ -50,6 +51,34 @@ def test_host_buffers_lay_out_aligned_views_and_count_pinned_memory():
     bufs.close()
 
 
+def test_pinned_bytes_are_counted_until_the_last_view_is_freed(monkeypatch):
+    """Every pinned buffer is made by pinned_empty, which counts it in ``stats.pinned`` from
+    registration until its memory goes (here a fake CUDA runtime registers the pages)."""
+    calls = []
+
+    class FakeRuntime:
+        def cudaHostRegister(self, addr, n, flags):
+            calls.append(("register", addr, n))
+            return 0
+
+        def cudaHostUnregister(self, addr):
+            calls.append(("unregister", addr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", FakeRuntime)
+    stats = Stats()
+    buf = pinned_empty(10000, True, stats)
+    view = buf[4096:8192].view(torch.float32)
+    assert stats.pinned == 10000 and calls == [("register", buf.data_ptr(), 10000)]
+    del buf
+    gc.collect()
+    assert stats.pinned == 10000  # a view still holds the pages
+    del view
+    gc.collect()
+    assert stats.pinned == 0 and calls[-1][0] == "unregister"
+    assert pinned_empty(10000, False, stats).numel() == 10000 and stats.pinned == 0
+
+
 def reference_step(ref, masters, opt_ref):
     """fp32 masters stepped by torch AdamW(fused=True) with the bf16 gradients, clipped by
     torch's clip_grad_norm_; the parameters get the masters rounded."""
@@ -86,7 +115,7 @@ def offload(model, config, tmp_path):
     if config == RAM_GRADS:
         st = _state(model)
         st.grads.close()
-        st.grads = GradPager(st.units, lambda n: RamHome(n, pin=False), st.mover, st.stats)
+        st.grads = GradPager(st.units, lambda n: RamHome(n, False, st.stats), st.mover, st.stats)
     return model
 
 

@@ -3,7 +3,7 @@ page-aligned (optionally CUDA-pinned) tensors that O_DIRECT accepts."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -38,10 +38,12 @@ def memory_of(buf: Any, writable: bool) -> tuple[int, int, Any]:
     return arr.ctypes.data, arr.nbytes, (buf, mv, arr)
 
 
-def aligned_empty(nbytes: int, pin: bool | None = None) -> torch.Tensor:
+def aligned_empty(nbytes: int, pin: bool | None = None,
+                  on_free: Callable[[], None] | None = None) -> torch.Tensor:
     """An uninitialised ``torch.uint8`` tensor of ``nbytes`` that O_DIRECT accepts: page aligned,
     exactly sized (no power-of-two rounding), and pinned for CUDA when a GPU is present (or
-    ``pin=True``). Its memory goes back to the OS when the tensor is freed."""
+    ``pin=True``). Its memory goes back to the OS when the tensor and every view of it are
+    freed; ``on_free`` is called then (after the pages are unregistered)."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, not {nbytes}")
     if pin is None:
@@ -55,7 +57,15 @@ def aligned_empty(nbytes: int, pin: bool | None = None) -> torch.Tensor:
         rc = cudart.cudaHostRegister(addr, nbytes, 0)
         if int(rc) != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with {rc}")
-        buf.set_on_free(lambda: cudart.cudaHostUnregister(addr))
+
+        def unregister() -> None:
+            cudart.cudaHostUnregister(addr)
+            if on_free is not None:
+                on_free()
+
+        buf.set_on_free(unregister)
+    elif on_free is not None:
+        buf.set_on_free(on_free)
     return torch.frombuffer(buf, dtype=torch.uint8)
 
 

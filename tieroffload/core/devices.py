@@ -61,21 +61,25 @@ class Transfers:
             ev.synchronize()
 
 
+def pinned_empty(nbytes: int, pin: bool, stats: Stats) -> torch.Tensor:
+    """``aligned_empty``, with the bytes counted in ``stats.pinned`` while pinned: from here
+    until the buffer and its last view are freed. Every page-locked buffer tieroffload holds
+    (homes, staging, the host step's buffers, activation copies) is made here."""
+    if not pin or nbytes == 0:
+        return aligned_empty(nbytes, pin=False)
+    buf = aligned_empty(nbytes, pin=True, on_free=lambda: stats.add_pinned(-nbytes))
+    stats.add_pinned(nbytes)
+    return buf
+
+
 class HostBuffers:
     """Exact-size host memory for the host step, pinned where the compute is CUDA: ``slots``
-    buffers of ``nbytes`` each, allocated once (registering pinned memory is slow) and counted
-    in ``stats.pinned``. Slot k's contents are valid until slot k is taken again."""
+    buffers of ``nbytes`` each, allocated once (registering pinned memory is slow). Slot k's
+    contents are valid until slot k is taken again."""
 
     def __init__(self, nbytes: int, slots: int, pin: bool, stats: Stats) -> None:
         self.nbytes = -(-nbytes // 64) * 64
-        self.pin = pin
-        self.stats = stats
-        self._bufs = [aligned_empty(self.nbytes, pin=pin) for _ in range(slots)]
-        self.stats.pinned += self.total if pin else 0
-
-    @property
-    def total(self) -> int:
-        return sum(b.numel() for b in self._bufs)
+        self._bufs = [pinned_empty(self.nbytes, pin, stats) for _ in range(slots)]
 
     def held(self) -> list[tuple[int, int]]:
         """The host ranges of its buffers."""
@@ -98,5 +102,4 @@ class HostBuffers:
         return out
 
     def close(self) -> None:
-        self.stats.pinned -= self.total if self.pin else 0
         self._bufs = []

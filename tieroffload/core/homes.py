@@ -6,9 +6,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..aio.buffers import aligned_empty
 from ..aio.engine import Future
 from ..aio.swap import SwapSpace
+from .devices import pinned_empty
+from .stats import Stats
 
 if TYPE_CHECKING:
     from .mover import Mover
@@ -31,14 +32,13 @@ class Home:
 
 
 class RamHome(Home):
-    """A flat buffer in RAM (pinned when a GPU is present): for params="cpu" and grads="cpu"
-    with CUDA compute. ``pinned``: the page-locked bytes it holds."""
+    """A flat buffer in RAM (pinned when a GPU is present, counted in ``stats.pinned``): for
+    params="cpu" and grads="cpu" with CUDA compute."""
 
     tier = "cpu"
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        self.buf = aligned_empty(nbytes, pin=pin)
-        self.pinned = nbytes if pin else 0
+    def __init__(self, nbytes: int, pin: bool, stats: Stats) -> None:
+        self.buf = pinned_empty(nbytes, pin, stats)
 
     def view(self, unit: Unit, k: int) -> torch.Tensor:
         """Segment ``k`` of ``unit`` as it is stored here (its dtype and shape)."""

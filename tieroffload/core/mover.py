@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..aio.buffers import aligned_empty
 from ..aio.engine import Future, error_for
+from .devices import pinned_empty
 from .stats import Stats
 from .units import Unit
 
@@ -95,7 +95,7 @@ class Mover:
     def staging_for(self, k: int) -> torch.Tensor:
         slot = k % self.nbuf
         while len(self._staging) <= slot:
-            self._staging.append(aligned_empty(self.chunk, pin=self.cuda))
+            self._staging.append(pinned_empty(self.chunk, self.cuda, self.stats))
             self._staging_events.append(None)
         ev = self._staging_events[slot]
         if ev is not None:  # the copy that last read this buffer must be done before reuse

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
+
+_pinned_lock = threading.Lock()  # pinned buffers are freed on whichever thread drops them last
 
 
 @dataclass
@@ -23,7 +26,11 @@ class Stats:
     adaptations: list = field(default_factory=list)  # changes of the depth, and why
     peak_resident: int = 0
     resident: int = 0
-    pinned: int = 0        # page-locked host memory held: host-step buffers, RAM gradients
+    pinned: int = 0        # page-locked host memory held now (see core.devices.pinned_empty)
+
+    def add_pinned(self, nbytes: int) -> None:
+        with _pinned_lock:
+            self.pinned += nbytes
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)

@@ -27,10 +27,10 @@ from typing import Any, Callable
 
 import torch
 
-from .. import aio
 from ..aio.engine import error_for
 from ..aio.swap import SwapSpace
 from ..compat.tensors import storage_key, version
+from ..core.devices import pinned_empty
 from ..core.mover import Mover, Ticket, timed_wait
 from ..core.stats import Stats
 
@@ -101,7 +101,7 @@ class ActivationPager:
                  window: tuple[int, int | None], swap: SwapSpace | None,
                  param_storages: Callable[[], Iterable[torch.Tensor]],
                  delay: Callable[[], None] | None = None, max_inflight: int = 256 << 20,
-                 checksum: bool = False) -> None:
+                 checksum: bool = False, ledger: Stats | None = None) -> None:
         if tier not in ("cpu", "nvme"):
             raise ValueError(f'activations must be "cpu", "nvme" or None, not {tier!r}')
         self.tier = tier
@@ -114,6 +114,7 @@ class ActivationPager:
         self.max_inflight = max_inflight
         self.checksum = checksum and tier == "nvme"  # CRC-32 of each record, checked on read
         self.stats = ActivationStats()
+        self.ledger = ledger or Stats()  # counts the pinned host copies (on CUDA)
         self.active = not (tier == "cpu" and not self.cuda)
         if not self.active:
             log.info('activations="cpu" with compute on the CPU: they are in RAM already, so '
@@ -213,7 +214,7 @@ class ActivationPager:
         self.stats.bytes_written += r.nbytes
         if self.cuda or self.tier == "nvme":
             # Pinned on CUDA; on the CPU O_DIRECT needs an aligned copy of the bytes.
-            r.host = aio.aligned_empty(r.padded, pin=self.cuda)
+            r.host = pinned_empty(r.padded, self.cuda, self.ledger)
         src, host, offset = _bytes_of(storage), r.host, r.offset
         file = self.swap.file if self.tier == "nvme" else None
 
@@ -243,7 +244,7 @@ class ActivationPager:
         def job() -> None:
             buf = host
             if file is not None:
-                buf = aio.aligned_empty(r.padded, pin=self.cuda)
+                buf = pinned_empty(r.padded, self.cuda, self.ledger)
                 file.pread(buf, offset, r.padded).result()
                 if r.crc is not None and zlib.crc32(buf[:r.nbytes].numpy()) != r.crc:
                     raise error_for(errno.EIO, f"checksum mismatch: the {r.nbytes} bytes of "

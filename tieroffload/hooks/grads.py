@@ -59,9 +59,6 @@ class GradPager:
         self.pool = PagePool(max((g.flat.numel() for g in self.buffers.values()
                                   if g.flat is not None), default=0))
         self.in_ram = any(isinstance(g.home, RamHome) for g in self.buffers.values())
-        self.pinned = sum(g.home.pinned for g in self.buffers.values()
-                          if isinstance(g.home, RamHome))
-        stats.pinned += self.pinned
 
     def _grad_params(self, u: Unit) -> list[torch.nn.Parameter]:
         """The parameters whose gradients the unit's buffer holds, in its segments' order: those
@@ -239,8 +236,6 @@ class GradPager:
         for g in self.buffers.values():
             if isinstance(g.home, RamHome):
                 g.home.release()  # pinned: unregistered now, not when the state goes
-        self.stats.pinned -= self.pinned
-        self.pinned = 0
 
     def all_finite(self) -> bool:
         self.flush()

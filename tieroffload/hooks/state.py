@@ -97,12 +97,8 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
                     p.untyped_storage().resize_(p.numel() * p.element_size())
                 elif p.device != self.device:
                     p.data = p.data.to(self.device)
-        elif policy.params == "cpu" and policy.cpu_budget is not None:
-            total = sum(u.nbytes for u in self.units)
-            if total > policy.cpu_budget:
-                raise MemoryError(
-                    f'params="cpu" keeps all {total} bytes ({format_bytes(total)}) of parameters '
-                    f"in RAM, over cpu_budget={policy.cpu_budget}; use params=\"nvme\"")
+        elif self.device.type == "cuda" and policy.cpu_budget is not None:
+            self._check_ram_homes(policy)
         if policy.pages_grads:
             sparse = next((n for n, m in model.named_modules()
                            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse), None)
@@ -146,12 +142,30 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
         if policy.pages_grads:  # to NVMe, or to pinned RAM with CUDA compute
             swap = self.swap
             home = ((lambda n: NvmeHome(swap, n)) if policy.grads == "nvme" else
-                    (lambda n: RamHome(n, pin=True)))
+                    (lambda n: RamHome(n, True, self.stats)))
             self.grads = GradPager(self.units, home, self.mover, self.stats)
         # With several ranks, DDP reduces the gradients in a callback at the end of backward:
         # they are paged once backward is over, after it (see _end_backward).
         self._defer_grads = self.grads is not None and world_size() > 1
         self._move_home()
+
+    def _check_ram_homes(self, policy: BasePolicy) -> None:
+        """With CUDA compute, ``cpu_budget`` bounds the pinned RAM homes: all the parameters
+        (params="cpu") and all the trainable ones' gradients (grads="cpu")."""
+        held, what, fix = 0, [], []
+        if policy.params == "cpu":
+            held += sum(u.nbytes for u in self.units)
+            what.append('params="cpu" keeps all parameters')
+            fix.append('params="nvme"')
+        if policy.pages_grads and policy.grads == "cpu":
+            held += sum(p.numel() * p.element_size() for u in self.units for p in u.params
+                        if p.requires_grad)
+            what.append('grads="cpu" keeps all gradients')
+            fix.append('grads="gpu"')
+        if held > policy.cpu_budget:
+            raise MemoryError(
+                f"{' and '.join(what)} in pinned RAM: {held} bytes ({format_bytes(held)}), over "
+                f"cpu_budget={policy.cpu_budget}; use {' or '.join(fix)}, or raise cpu_budget")
 
     def _setup_activations(self, model: nn.Module, io_delay: Callable[[], None] | None) -> None:
         """Saved-tensor hooks around the model's forward page what it saves for backward."""
@@ -169,7 +183,7 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
         self.activations = ActivationPager(
             policy.activations, self.device, policy.activation_threshold,
             policy.prefetch_window(), swap if policy.activations == "nvme" else None,
-            lambda: params, io_delay, checksum=policy.checksum)
+            lambda: params, io_delay, checksum=policy.checksum, ledger=self.stats)
         pager = self.activations
         self._handles.append(model.register_forward_pre_hook(
             lambda m, a: pager.begin(), prepend=True))
@@ -189,7 +203,8 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
                         or not p.is_contiguous():
                     # Each parameter needs a storage of its own to be freed and refilled alone.
                     p.data = p.data.to(self.device, copy=True).contiguous()
-            u.home = NvmeHome(self.swap, u.nbytes) if self.swap else RamHome(u.nbytes, pin)
+            u.home = (NvmeHome(self.swap, u.nbytes) if self.swap else
+                      RamHome(u.nbytes, pin, self.stats))
             if self.swap is not None and self.device.type == "cpu":
                 u.adopt_flat(self.swap.align)
             if u.on_rebind is not None:
