@@ -13,6 +13,7 @@ import torch
 from conftest import mounted
 from models import CheckpointedGPT, TinyGPT, mlp
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import tieroffload
 from tieroffload import Policy
@@ -170,6 +171,35 @@ def test_reentrant_checkpointing_with_accumulation(overlap, tmp_path):
     tieroffload.close(model)
 
 
+class TwiceCheckpointedGPT(TinyGPT):
+    """TinyGPT whose first block runs twice, in two reentrant checkpoint segments: its
+    parameters get one gradient per segment, each accumulated on its own."""
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = checkpoint(self.blocks[0], x, use_reentrant=True)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=True)
+        return self.head(self.ln_f(x))
+
+
+def test_a_module_in_two_reentrant_segments_is_named_under_step_in_backward(tmp_path):
+    """Deferred steps take both segments' gradients as PyTorch does; a step inside backward
+    cannot (the chunk steps on the first), and the error says why rather than blaming
+    accumulation_steps."""
+    ref, model, opt_ref, opt = adamw_pair("nvme-nvme-grads", 0.0, True, tmp_path,
+                                          make=TwiceCheckpointedGPT)
+    train_both_on_two_micro_batches(ref, model, opt_ref, opt, 2)
+    opt.close()
+    tieroffload.close(model)
+    _, model, _, opt = adamw_pair("nvme-nvme-grads", 0.0, "backward", tmp_path,
+                                  make=TwiceCheckpointedGPT)
+    with pytest.raises(RuntimeError, match="second gradient in one backward.*use_reentrant=False"):
+        model(batch(0, 0)).float().square().mean().backward()
+    opt.close()
+    tieroffload.close(model)
+
+
 def test_step_in_backward_early_step(tmp_path):
     """A step() after fewer micro-batches than accumulation_steps (an epoch's end) steps what
     was accumulated, as plain PyTorch does, and the next steps count afresh."""
@@ -249,6 +279,38 @@ def test_backward_that_raised_leaves_no_trace(overlap, tmp_path):
         model(batch(0, 0)).float().square().mean().backward()
     opt.zero_grad()
     train_both_on_two_micro_batches(ref, model, opt_ref, opt, 3)
+    opt.close()
+    tieroffload.close(model)
+
+
+@pytest.mark.parametrize("overlap,failing_micro",
+                         [(True, 0), (True, 1), (True, 2), ("backward", 0), ("backward", 1)])
+def test_a_backward_retried_without_zero_grad_adds_as_pytorch_adds(overlap, failing_micro,
+                                                                   tmp_path):
+    """3 micro-batches, gradients on NVMe: a backward that raises midway and is retried at
+    once keeps what it accumulated, as PyTorch keeps it in ``p.grad``, and the retry adds to
+    it in PyTorch's order (the same bits). With overlap="backward" it is no micro-batch:
+    every chunk steps in the third backward that completes."""
+    kw = {"accumulation_steps": 3} if overlap == "backward" else {}
+    ref, model, opt_ref, opt = adamw_pair("nvme-nvme-grads", 0.0, overlap, tmp_path, **kw)
+
+    def fail(grad):
+        raise torch.OutOfMemoryError("injected")
+    for m, o in ((ref, opt_ref), (model, opt)):
+        for step in range(2):
+            for micro in range(3):
+                if step == 1 and micro == failing_micro:
+                    hook = m.blocks[0].mlp[0].weight.register_hook(fail)
+                    with pytest.raises(torch.OutOfMemoryError):
+                        m(batch(step, micro)).float().square().mean().backward()
+                    hook.remove()
+                m(batch(step, micro)).float().square().mean().backward()
+                if o is opt:
+                    in_backward = micro == 2 and overlap == "backward"
+                    assert len(opt._stepped) == (len(opt.chunks) if in_backward else 0)
+            o.step()
+            o.zero_grad()
+    assert_same_state(ref, model, opt_ref, opt)
     opt.close()
     tieroffload.close(model)
 

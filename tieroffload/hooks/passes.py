@@ -87,13 +87,7 @@ class PassHooks:
 
     def _begin_iteration(self, module: nn.Module, args: Any) -> None:
         if not in_backward():  # not a recomputation inside backward
-            if self.backward_raised():  # its end never ran
-                self._bwd_callback_queued = False
-                for opt in list(self.optimizers):
-                    opt.backward_failed()
-                self._grads_seen.clear()
-                self._deferred.clear()
-                self._release_bwd_pins()
+            self.settle_failed_backward()
             self._release_fwd_pins()  # left by a forward that raised past its hooks
             self.release_touched()
             if torch.is_grad_enabled():
@@ -173,6 +167,25 @@ class PassHooks:
         return (sum(u.nbytes for u in self.units) <= self.budget
                 or all(u.pins > 0 for u in self.units))
 
+    def settle_failed_backward(self) -> None:
+        """After a backward that raised (its end never ran): the optimizers are told (it is no
+        micro-batch), and the gradients it accumulated into units it left part done are paged,
+        so that a retry adds to them as AccumulateGrad adds to ``p.grad`` (in the same order,
+        for the same bits)."""
+        if not self.backward_raised():
+            return
+        self._bwd_callback_queued = False
+        for opt in list(self.optimizers):
+            opt.backward_failed(uncount=self._counted)
+        self._counted = False
+        if self.grads is not None:
+            for uid, seen in self._grads_seen.items():
+                if seen:
+                    self.grads.page_out(self.units[uid])
+        self._grads_seen.clear()
+        self._deferred.clear()
+        self._release_bwd_pins()
+
     def backward_raised(self) -> bool:
         """The last backward over the model raised (its end-of-backward callback never ran)."""
         return self._bwd_callback_queued and not in_backward()
@@ -191,6 +204,7 @@ class PassHooks:
             at_backward_end(self._end_backward)
         if self._fresh_forward:  # the backward of a forward, not one nested in it (reentrant
             self._fresh_forward = False  # checkpointing): a micro-batch for the optimizers
+            self._counted = True
             for opt in list(self.optimizers):
                 opt.backward_begins()
         self.scheduler.acquire(units)
@@ -228,6 +242,7 @@ class PassHooks:
 
     def _end_backward(self) -> None:
         self._bwd_callback_queued = False
+        self._counted = False
         self.cores.give_back()
         for uid, seen in self._grads_seen.items():
             if seen:  # some parameters of the unit got no gradient this time

@@ -58,6 +58,7 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
         self._copies: dict[int, tuple[str, Any]] = {}  # id(p) -> its last state-dict copy
         self._bwd_callback_queued = False
         self._fresh_forward = False  # a forward ran since the last backward began
+        self._counted = False  # the backward under way counted as a micro-batch
         self._opt_pins: dict[int, tuple[list[Unit], bool]] = {}  # optimizer -> units, grads
         self._grads_seen: dict[int, int] = {}
         self._deferred: list[Unit] = []  # units whose gradients wait for the end of backward

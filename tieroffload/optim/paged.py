@@ -147,6 +147,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             overlap and self.offload.mover is not None)
         self._ready: dict[int, set[int]] = {}  # overlap="backward": chunk -> units with grads
         self._stepped: set[int] = set()  # overlap="backward": chunks stepped this backward
+        self._stepped_at = 0  # the backward (its count) in which they stepped
         self._torn: list[int] = []  # chunks stepped by a backward that then raised
         self._pending: dict[int, list[torch.Tensor | None] | None] = {}  # chunk -> its grads
         self._pending_scale: float | None = None
@@ -423,8 +424,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.offload.backward_raised():
-            self.backward_failed()
+        self.offload.settle_failed_backward()
         self._check_torn()
         self._check_alone()
         resuming = self._resume
@@ -492,6 +492,12 @@ class PagedOptimizer(torch.optim.Optimizer):
         if (self.overlap != "backward" or i is None
                 or self._backwards < self.accumulation_steps):
             return False
+        if i in self._stepped and self._stepped_at == self._backwards:
+            raise RuntimeError(
+                f"tieroffload: {u.names[0]!r} got a second gradient in one backward, after "
+                'overlap="backward" had stepped its chunk with the first: a module used in two '
+                "reentrant checkpoint segments (use_reentrant=True) gets one per segment; use "
+                "use_reentrant=False, or overlap=True")
         if i in self._stepped:
             raise RuntimeError(
                 f'tieroffload: overlap="backward" steps each chunk during backward number '
@@ -507,6 +513,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             return True
         del self._ready[i]
         self._stepped.add(i)
+        self._stepped_at = self._backwards
         self._sync_groups(chunk)
         with torch.no_grad():
             self._state_in(chunk)
@@ -524,13 +531,16 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._page_out(chunk)
         return True
 
-    def backward_failed(self) -> None:
+    def backward_failed(self, uncount: bool = False) -> None:
         """The model's last backward raised. With ``overlap="backward"``, chunks it stepped hold
         this step's update and the others do not: training refuses to go on (``_check_torn``)
         until a checkpoint is loaded. Before any chunk stepped, nothing is lost: a retry or a
-        step() is as plain PyTorch's after a backward that raised."""
+        step() is as plain PyTorch's after a backward that raised. ``uncount``: it had counted
+        as a micro-batch, which it is not (a step() since has reset the count already)."""
         if self._stepped:
             self._torn = sorted(self._stepped)
+        elif uncount:
+            self._backwards = max(0, self._backwards - 1)
         self._stepped.clear()
         self._ready.clear()
 
