@@ -92,6 +92,34 @@ def test_transformer_with_params_on_nvme(tmp_path):
     tieroffload.close(model)
 
 
+class Spectral(nn.Module):
+    """Saves a complex tensor and its conjugate view, and a negative view: lazy flags over the
+    same bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+        self.head = nn.Linear(33, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        X = torch.fft.rfft(self.proj(x))
+        power = (X * X.conj()).real
+        return self.head(power * torch._neg_view(power))
+
+
+def test_conjugate_and_negative_views_come_back_with_their_flags(tmp_path):
+    torch.manual_seed(0)
+    ref = Spectral()
+    x = torch.randn(64, 64)
+    want = grads_of(ref, x)
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        params="cpu", device="cpu", nvme_dir=str(tmp_path), activations="nvme",
+        activation_threshold=0))
+    assert_same(grads_of(model, x), want)
+    assert tieroffload.stats(model)["activations"]["offloaded"] > 0
+    tieroffload.close(model)
+
+
 def test_swap_space_is_reused_and_removed(tmp_path):
     torch.manual_seed(0)
     model = tieroffload.offload(Stack(), Policy(device="cpu", nvme_dir=str(tmp_path),

@@ -402,6 +402,10 @@ def test_bad_policies_get_clear_errors(tmp_path):
         Policy(params="disk")
     with pytest.raises(ValueError, match="cpu_budget: not a size"):
         Policy(cpu_budget="lots")
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'.*'meta'"):
+        Policy(device="meta")
+    with pytest.raises(ValueError, match="nvme_dir names .* twice"):
+        Policy(params="nvme", nvme_dir=[str(tmp_path), str(tmp_path) + "/"])
     with pytest.raises(ValueError, match="CUDA"):
         tieroffload.offload(mlp(), Policy(params="gpu", device="cpu"))
     big = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 4))

@@ -196,6 +196,8 @@ class ActivationPager:
             return False
         if t.layout is not torch.strided or t.is_quantized or t.device.type != self.device.type:
             return False
+        if t.is_conj() or t.is_neg():  # lazy flags over the bytes: saved as they are
+            return False
         storage = t.untyped_storage()
         return storage.nbytes() >= self.threshold and storage_key(storage) not in self._param_ids
 

@@ -76,6 +76,9 @@ class BasePolicy:
                 dev = torch.device(self.device)
             except (RuntimeError, TypeError) as e:
                 raise ValueError(f"device: {e}".splitlines()[0]) from None
+            if dev.type not in ("cpu", "cuda"):
+                raise ValueError(f"device must be 'cpu' or 'cuda' (where compute runs), not "
+                                 f"{self.device!r}")
             if dev.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device={self.device!r} but CUDA is not available here "
                                  "(a CPU build of torch, or no GPU): use device='cpu'")

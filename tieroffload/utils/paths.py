@@ -21,7 +21,13 @@ def directories(value: str | os.PathLike | list | tuple | None, what: str = "nvm
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError(f"{what} is an empty list")
-        return [os.fspath(d) for d in value]
+        out = [os.fspath(d) for d in value]
+        real = [os.path.realpath(d) for d in out]
+        twice = next((d for d, r in zip(out, real) if real.count(r) > 1), None)
+        if twice is not None:
+            raise ValueError(f"{what} names {twice!r} twice (one directory per drive, each "
+                             "once: striping over one drive twice only splits its requests)")
+        return out
     return [os.fspath(value)]
 
 
