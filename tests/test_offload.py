@@ -131,6 +131,30 @@ def test_in_place_write_inside_forward_reaches_the_home(tmp_path):
     tieroffload.close(model)
 
 
+def test_writes_inside_materialize_reach_the_home_through_p_data_too(tmp_path):
+    """Inside materialize (no writeback asked), a write through the parameter bumps its
+    version counter and one through ``p.data`` bumps none: both reach the home when a budget
+    smaller than the model evicts the units (WGAN-style weight clipping)."""
+    torch.manual_seed(0)
+    ref = mlp(width=16, depth=6)
+    model = tieroffload.offload(copy.deepcopy(ref), policy_for("nvme", tmp_path,
+                                                               cpu_budget="2KiB"))
+
+    def clip(m):
+        with torch.no_grad():
+            for i, layer in enumerate(m[::2]):
+                for p in layer.parameters():
+                    (p.data if i % 2 else p).clamp_(-0.01, 0.01)
+    with tieroffload.materialize(model):
+        clip(model)
+    clip(ref)
+    assert model._tieroffload.stats.evictions > 0
+    sd_ref, sd = ref.state_dict(), model.state_dict()
+    for k in sd_ref:
+        assert torch.equal(sd[k], sd_ref[k]), k
+    tieroffload.close(model)
+
+
 def test_plain_optimizer_gets_gradients_paged_to_nvme(tmp_path):
     """With grads="nvme", p.grad is None outside a step: a plain torch optimizer's step brings
     them in (the sum of two micro-batches) and uses them up, as the paged optimizer does."""

@@ -1,8 +1,10 @@
 """The paged optimizer and checkpoints: the same training as plain PyTorch, bit for bit."""
 
+import contextlib
 import copy
 import errno
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -315,6 +317,33 @@ def test_a_backward_retried_without_zero_grad_adds_as_pytorch_adds(overlap, fail
     tieroffload.close(model)
 
 
+@pytest.mark.parametrize("key,value,late", [("lr", 5e-3, 1e-3),
+                                           ("betas", (0.8, 0.9), (0.7, 0.8))])
+def test_a_hyperparameter_changed_between_backward_and_step_raises(key, value, late,
+                                                                  tmp_path):
+    """overlap="backward" has stepped every chunk when step() is called: a warm-up lr (or
+    betas) written into param_groups just before it cannot apply, and step() says so, after
+    finishing the step with what backward used; set before backward, it applies."""
+    ref, model, opt_ref, opt = adamw_pair("nvme-nvme-grads", 0.0, "backward", tmp_path)
+    for m, o in ((ref, opt_ref), (model, opt)):
+        for step in range(2):
+            if step == 1:
+                o.param_groups[0][key] = value  # before backward: taken by this step
+            m(batch(step, 0)).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert_same_state(ref, model, opt_ref, opt)
+    model(batch(2, 0)).float().square().mean().backward()
+    old = opt.param_groups[0][key]
+    opt.param_groups[0][key] = late
+    with pytest.raises(RuntimeError, match=f"param group 0's '{key}' changed from "
+                                           f"{re.escape(repr(old))}.*before backward"):
+        opt.step()
+    assert not opt.stepped_in_backward
+    opt.close()
+    tieroffload.close(model)
+
+
 def test_step_in_backward_refuses_loss_scaling(tmp_path):
     model = tieroffload.offload(TinyGPT(), policy("nvme-nvme", tmp_path))
     with pytest.raises(ValueError, match="loss scaling"):
@@ -325,6 +354,36 @@ def test_step_in_backward_refuses_loss_scaling(tmp_path):
         tieroffload.optimizer(model, torch.optim.AdamW, accumulation_steps=2)
     with pytest.raises(ValueError, match="accumulation_steps must be"):
         tieroffload.optimizer(model, torch.optim.AdamW, overlap="backward", accumulation_steps=0)
+    tieroffload.close(model)
+
+
+@pytest.mark.parametrize("config", ["nvme-nvme", "cpu-cpu"])
+def test_a_parameter_from_outside_the_model_is_refused(config, tmp_path):
+    """A parameter the model does not hold (a loss temperature) would never be stepped: the
+    paged optimizer refuses it when built, naming its group and shape."""
+    model = tieroffload.offload(TinyGPT(), policy(config, tmp_path))
+    temp = nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"parameter 0 of param group 1 \(shape \(\), "
+                                         r"torch.float32\) is not a parameter of the offloaded"):
+        tieroffload.optimizer(model, torch.optim.AdamW,
+                              [{"params": model.parameters()}, {"params": [temp]}])
+    tieroffload.close(model)
+
+
+def test_opt_state_is_refused_rather_than_read_empty(tmp_path):
+    """The state lives chunk by chunk in its tier: opt.state would read empty and drop
+    writes (a moment reset), so any use of it raises and names state_dict instead."""
+    model = tieroffload.offload(TinyGPT(), policy("nvme-nvme", tmp_path))
+    opt = tieroffload.optimizer(model, torch.optim.AdamW)
+    model(batch(0, 0)).float().square().mean().backward()
+    opt.step()
+    p = next(model.parameters())
+    for use in (lambda: opt.state[p], lambda: len(opt.state), lambda: opt.state.clear(),
+                lambda: setattr(opt, "state", {})):
+        with pytest.raises(RuntimeError, match="not in opt.state.*state_dict"):
+            use()
+    assert opt.state_dict()["state"][0]["exp_avg"].shape == p.shape
+    opt.close()
     tieroffload.close(model)
 
 
@@ -529,6 +588,65 @@ def test_mixed_precision_fp32_masters(dtype, config, tmp_path):
     for i, q in enumerate(masters):  # the masters are fp32 and kept in the optimizer state
         assert sd["state"][i]["master"].dtype == torch.float32
         assert torch.equal(sd["state"][i]["master"], q)
+    opt.close()
+    tieroffload.close(model)
+
+
+def write_weights(how: str, m: nn.Module, offloaded: bool) -> None:
+    """One way of writing a model's weights from outside training (the same for both)."""
+    g = torch.Generator().manual_seed(7)
+    if how in ("load_state_dict", "load_weights"):
+        sd = {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in m.state_dict().items()}
+        if how == "load_weights" and offloaded:
+            tieroffload.load_weights(m, sd)
+        else:
+            m.load_state_dict(sd)
+    elif how == "init":
+        torch.nn.init.normal_(m.blocks[0].mlp[0].weight, generator=g)
+    else:  # through p.data, inside materialize (no writeback asked)
+        with tieroffload.materialize(m) if offloaded else contextlib.nullcontext():
+            for p in m.blocks[1].parameters():
+                p.data.mul_(0.5)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "load_weights", "init", "data"])
+@pytest.mark.parametrize("config", ["cpu-cpu", "nvme-nvme-grads"])
+def test_weights_written_after_the_optimizer_is_built_are_stepped(how, config, tmp_path):
+    """bf16 parameters with fp32 masters: weights written after the optimizer was built are
+    what the next step updates (a master follows its parameter where they differ), as
+    PyTorch steps the parameter itself; a parameter only viewed (``p.detach()``) keeps its
+    master's extra bits."""
+    torch.manual_seed(0)
+    ref = TinyGPT().to(torch.bfloat16)
+    model = tieroffload.offload(copy.deepcopy(ref), policy(config, tmp_path))
+    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    opt_ref = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    for step in range(4):
+        if step == 2:
+            write_weights(how, ref, False)
+            write_weights(how, model, True)
+            with torch.no_grad():
+                for q, p in zip(masters, ref.parameters()):
+                    if not torch.equal(p, q.to(p.dtype)):
+                        q.copy_(p)
+            norms = [p.detach().float().norm() for p in model.parameters()]  # views only
+            assert all(torch.isfinite(n) for n in norms)
+        x = batch(step, 0)
+        loss_ref = ref(x).float().square().mean()
+        loss_ref.backward()
+        manual_master_step(ref, masters, opt_ref, None)
+        loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert loss.item() == loss_ref.item(), step
+    with tieroffload.materialize(model):
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+    sd = opt.state_dict()
+    for i, q in enumerate(masters):
+        assert torch.equal(sd["state"][i]["master"], q), i
     opt.close()
     tieroffload.close(model)
 

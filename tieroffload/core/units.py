@@ -78,6 +78,7 @@ class Unit:
         self.ticket: Ticket | None = None
         self.pins = 0
         self.dirty = False
+        self.writes = 0  # writes from outside the hooks, counted (see Guards.wrote)
         self.initialized = True  # False for a model built on the meta device, until loaded
         self.last_use = 0
         self.crc: int | None = None  # of the bytes last written home (Policy(checksum=True))

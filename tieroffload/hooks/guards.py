@@ -65,6 +65,7 @@ _COMPILE_ERROR = ('torch.compile of a model offloaded with params="nvme" is not 
                   "parameters page in and out under hooks a compiled graph cannot follow; run "
                   'it eagerly, or keep params on "cpu" or "gpu"')
 _SET_DATA = torch.Tensor.data.__set__
+_GET_DATA = torch.Tensor.data.__get__
 
 
 def _check_same_layout(p: torch.Tensor, new: torch.Tensor) -> None:
@@ -105,6 +106,10 @@ class OffloadedParameter(nn.Parameter):
                             away.append(entry)
         for state, u in away:
             state.touch(u)
+        if func == _GET_DATA and not away:  # held (materialize, a forward): p.data.clamp_()
+            entry = _owner_of.get(id(args[0]))  # bumps no version counter that would show it
+            if entry is not None and not entry[0]._quiet:
+                entry[0].wrote(entry[1])
         try:
             with plain_tensors():
                 out = func(*args, **kwargs)
@@ -174,7 +179,13 @@ class Guards:
         else:
             self.scheduler.release([u])
         if hold or wrote:
-            u.dirty = True
+            self.wrote(u)
+
+    def wrote(self, u: Unit) -> None:
+        """Code outside the hooks wrote ``u`` (or may yet, through a view it holds): it is
+        written home when evicted, and a paged optimizer re-reads it into its fp32 masters."""
+        u.dirty = True
+        u.writes += 1
 
     def viewed(self) -> list[Unit]:
         """The units that views taken outside the hooks hold (see ``untouch``)."""

@@ -365,7 +365,11 @@ def materialize(model: nn.Module, writeback: bool = False) -> Iterator[nn.Module
     s = _state(model)
     s.check_loaded(s.units)
     with s.resident(s.units, writeback=writeback):
-        yield model
+        try:
+            yield model
+        finally:
+            for u in s.units if writeback else ():
+                s.wrote(u)
 
 
 def close(model: nn.Module, restore: bool = True) -> None:

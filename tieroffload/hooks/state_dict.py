@@ -57,6 +57,7 @@ class StateDictHooks:
             missing = set(incompatible.missing_keys)
             for u in units:
                 self.mark_loaded([p for n, p in zip(u.names, u.params) if n not in missing])
+                self.wrote(u)
                 self.scheduler.flush(u)
             self.scheduler.release(units)
             self.scheduler.trim()

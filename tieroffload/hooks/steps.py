@@ -73,7 +73,7 @@ class StepHooks:
         if not units:
             return
         for u in units:
-            u.dirty = True
+            self.wrote(u)
         if grads:  # used up, as the paged optimizer's step uses them up
             self.grads.consume(units)
         self.scheduler.release(units)

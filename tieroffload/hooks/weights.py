@@ -126,6 +126,7 @@ def _load_from(s: OffloadState, names: dict[int, set[str]], keys: set[str],
                                      f"{tuple(p.shape)}")
                 p.copy_(t)
             s.mark_loaded([p for _, p in todo])
+            s.wrote(u)
 
 
 def _meta_buffers(model: nn.Module, device: torch.device, plan: list[tuple[Path | None, set[str]]],

@@ -14,7 +14,7 @@ from __future__ import annotations
 import atexit
 import inspect
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from typing import Any, Callable
 
 import torch
@@ -22,7 +22,7 @@ from torch import nn
 
 from ..aio.pages import PagePool
 from ..aio.swap import SwapSpace, stable_tag
-from ..compat.tensors import add_grad_norms, clip_coefficient, total_norm
+from ..compat.tensors import add_grad_norms, clip_coefficient, total_norm, version
 from ..core.devices import HostBuffers, Transfers
 from ..core.homes import NvmeHome
 from ..core.mover import NBUF, Mover, Ticket, timed_wait
@@ -51,6 +51,9 @@ class _Chunk:
         self.params = params
         self.units = units
         self.masters = masters  # fp32 host copies of the parameters that need one, by position
+        # What the masters have seen: the units' outside writes, the parameters' versions.
+        self.writes = {u.id: u.writes for u in units}
+        self.versions = {i: version(params[i]) for i in masters}
         # Their gradients, copied to the host for the next update (None: not taken yet).
         self.host_grads: dict[int, torch.Tensor] | None = None
         self.grads_event: Any = None  # the last of those copies
@@ -64,10 +67,35 @@ class _Chunk:
         return self.masters.get(i, self.params[i])
 
 
+class _StateElsewhere(MutableMapping):
+    """``opt.state`` of a paged optimizer: its state lives chunk by chunk in its tier, so a
+    read would find nothing and a write (a moment reset) would change nothing; both raise."""
+
+    def __init__(self, tier: str) -> None:
+        self.tier = tier
+
+    def _refuse(self, *args: Any) -> Any:
+        raise RuntimeError(
+            f"tieroffload: a paged optimizer keeps its state chunk by chunk in its tier "
+            f"(optimizer={self.tier!r}), not in opt.state: read it with opt.state_dict(), "
+            "change it with opt.load_state_dict(sd)")
+
+    __getitem__ = __setitem__ = __delitem__ = __iter__ = __len__ = __contains__ = _refuse
+
+
 class PagedOptimizer(torch.optim.Optimizer):
     """See the module docstring; build it with ``tieroffload.optimizer``."""
 
     _tieroffload_paged = True  # the plain-optimizer hooks of offload() leave this one alone
+
+    @property
+    def state(self) -> MutableMapping:
+        return _StateElsewhere(self.offload.policy.optimizer)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if "_ids" in self.__dict__:  # built: torch.optim.Optimizer.__init__ sets it first
+            _StateElsewhere(self.offload.policy.optimizer)._refuse()
 
     def __init__(self, model: nn.Module, opt_cls: type[torch.optim.Optimizer],
                  params: Iterable | None, kwargs: dict[str, Any],
@@ -90,6 +118,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         probe = opt_cls([nn.Parameter(torch.zeros(1, device=self.host))], **kwargs)
         super().__init__(self._local_params(model, params), dict(probe.defaults))
         self._ids = frozenset(id(p) for g in self.param_groups for p in g["params"])
+        self._check_in_model()
         if self.offload.grads is not None:
             self._check_whole_units()
         self.opt_cls, self.kwargs = opt_cls, kwargs
@@ -148,6 +177,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._ready: dict[int, set[int]] = {}  # overlap="backward": chunk -> units with grads
         self._stepped: set[int] = set()  # overlap="backward": chunks stepped this backward
         self._stepped_at = 0  # the backward (its count) in which they stepped
+        self._used: list[dict[str, Any]] | None = None  # the hyperparameters they stepped with
         self._torn: list[int] = []  # chunks stepped by a backward that then raised
         self._pending: dict[int, list[torch.Tensor | None] | None] = {}  # chunk -> its grads
         self._pending_scale: float | None = None
@@ -180,6 +210,18 @@ class PagedOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(chunk.params):
             n += (slots + (i in chunk.masters)) * p.numel() * 4 + 64
         return n
+
+    def _check_in_model(self) -> None:
+        """It steps the model's parameters chunk by chunk along its units: one from elsewhere
+        (a loss temperature) would never be stepped, so it is refused."""
+        for gi, g in enumerate(self.param_groups):
+            for i, p in enumerate(g["params"]):
+                if id(p) not in self.offload.param_unit:
+                    raise ValueError(
+                        f"tieroffload.optimizer: parameter {i} of param group {gi} (shape "
+                        f"{tuple(p.shape)}, {p.dtype}) is not a parameter of the offloaded "
+                        "model, and the paged optimizer steps only the model's; step it with "
+                        "a torch.optim optimizer of its own")
 
     def _check_whole_units(self) -> None:
         """Paged gradients are stored, read back and used up a unit (module) at a time: one
@@ -407,11 +449,31 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     # -- the step ------------------------------------------------------------------------------
 
-    def _sync_groups(self, chunk: _Chunk) -> None:
+    def _hyperparameters(self) -> list[dict[str, Any]]:
+        return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items()
+                 if k != "params"} for g in self.param_groups]
+
+    def _sync_groups(self, chunk: _Chunk, groups: list[dict[str, Any]] | None = None) -> None:
+        """Gives the chunk's inner groups the hyperparameters of ``groups`` (default: now)."""
         for inner_group, gi in zip(chunk.inner.param_groups, chunk.group_of):
-            for k, v in self.param_groups[gi].items():
+            for k, v in (groups or self.param_groups)[gi].items():
                 if k != "params":
                     inner_group[k] = v
+
+    def _changed_since(self, used: list[dict[str, Any]] | None) -> str | None:
+        """Says which hyperparameter changed since chunks stepped in backward with ``used``."""
+        for gi, (then, g) in enumerate(zip(used or [], self.param_groups)):
+            for k, old in then.items():
+                new = g.get(k)
+                same = (torch.equal(old, new) if isinstance(old, torch.Tensor)
+                        and isinstance(new, torch.Tensor) else old == new)
+                if not same:
+                    return (f"tieroffload: param group {gi}'s {k!r} changed from {old!r} to "
+                            f'{new!r} between backward and step(); with overlap="backward" '
+                            "every chunk stepped during backward with the first (this step "
+                            "used it throughout): set hyperparameters before backward (a "
+                            "scheduler stepped after opt.step() does), or use overlap=True")
+        return None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -446,11 +508,15 @@ class PagedOptimizer(torch.optim.Optimizer):
             return loss
         if self.overlap == "backward":  # what backward did not step (no gradients) goes now
             todo = [i for i in range(len(chunks)) if i not in self._stepped]
+            used, self._used = self._used, None
             self._stepped.clear()
             self._ready.clear()
             for i in todo:
-                self._sync_groups(chunks[i])
+                self._sync_groups(chunks[i], used)
             self._run(todo, None, [], self._fill, record=True)
+            changed = self._changed_since(used)
+            if changed:
+                raise RuntimeError(changed)
             return loss
         for chunk in chunks:  # the hyperparameters (a scheduler's lr) of this step
             self._sync_groups(chunk)
@@ -512,9 +578,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         if len(ready) < len(chunk.units):
             return True
         del self._ready[i]
+        if not self._stepped:
+            self._used = self._hyperparameters()
         self._stepped.add(i)
         self._stepped_at = self._backwards
-        self._sync_groups(chunk)
+        self._sync_groups(chunk, self._used)
         with torch.no_grad():
             self._state_in(chunk)
             # the step hooks bring the parameters in and out
@@ -543,6 +611,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._backwards = max(0, self._backwards - 1)
         self._stepped.clear()
         self._ready.clear()
+        self._used = None
 
     def _check_alone(self) -> None:
         """Two open paged optimizers stepping the same parameters would each use up what the
@@ -734,8 +803,32 @@ class PagedOptimizer(torch.optim.Optimizer):
             chunk.inner.step()  # offload()'s step hooks bring the chunk's parameters in and out
             return
         with self.offload.resident(chunk.units, writeback=True):
+            self._sync_masters(chunk)
             chunk.inner.step()
             self._masters_back(chunk)
+            chunk.versions = {i: version(chunk.params[i]) for i in chunk.masters}
+
+    def _sync_masters(self, chunk: _Chunk) -> None:
+        """A parameter written from outside since its master was taken or last stepped
+        (``load_state_dict``, ``load_weights``, ``nn.init``, a write through ``p.data``) gets
+        its new value as its master, so the step updates what was written, as PyTorch steps
+        the parameter itself. One merely viewed keeps its master, which rounds to it. Seen by
+        its version counter, or, where a write bumps none (``p.data``), by its unit's count of
+        outside writes (``Guards.wrote``), or, for a model not offloaded whose parameters sit
+        beside their masters, by comparing them at every step. (A model resident on a GPU
+        with its masters on the host: a write through ``p.data`` goes unseen.)"""
+        unit_of = self.offload.param_unit
+        guarded = self.offload.mover is not None
+        for i, q in chunk.masters.items():
+            p = chunk.params[i]
+            u = unit_of[id(p)]
+            unseen = version(p) == chunk.versions[i] and u.writes == chunk.writes[u.id]
+            if unseen and (guarded or p.device != q.device):
+                continue
+            now = p.detach().to(q.device)
+            if not torch.equal(now, q.to(now.dtype)):
+                q.copy_(now)
+        chunk.writes = {u.id: u.writes for u in chunk.units}
 
     def _grads_out(self, chunk: _Chunk, grads: list[torch.Tensor | None] | None) -> None:
         """Starts copying the gradients of the chunk's master-backed parameters (``grads``, or
