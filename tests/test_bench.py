@@ -218,7 +218,7 @@ def two_dirs(tmp_path):
 
 @pytest.mark.parametrize("kw, words", [
     ({"procs": 0}, ["--procs must be at least 1, not 0"]),
-    ({"same": True}, ["the same directory as --dir"]),
+    ({"same": True}, ["--dir names", "twice"]),
     ({"free": 24 << 20}, ["not enough free space", "--size 16M per process x --procs 2",
                           "GB free"]),
 ])

@@ -307,6 +307,54 @@ def test_full_disk_while_paging_activations_then_retry_matches_pytorch(tmp_path)
     tieroffload.close(model)
 
 
+class Residual(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Linear(16, 32)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+
+def test_a_backward_that_raises_early_leaves_a_budget_the_retry_fits(tmp_path):
+    """A backward that raises after its first unit leaves the recorded order pointing at the
+    next forward, whose first units are then on their way when the retry's backward needs
+    room: they arrive and are evicted, under a budget below the model's size, and the retry
+    gives PyTorch's gradients."""
+    armed = []
+
+    def fail(grad):
+        if armed and armed.pop():
+            raise RuntimeError("injected")
+
+    def arm(module, args, out):
+        out.register_hook(fail)
+
+    torch.manual_seed(0)
+    ref = Residual()
+    for m in (ref, model := copy.deepcopy(ref)):  # hooked before tieroffload's: first to run
+        m.layers[2].register_forward_hook(arm)
+    tieroffload.offload(model, nvme_policy(tmp_path, cpu_budget=9000))
+    x = torch.randn(8, 16)
+    for m in (ref, model):
+        for _ in range(3):
+            m(x).square().mean().backward()
+            m.zero_grad()
+        armed.append(True)
+        with pytest.raises(RuntimeError, match="injected"):
+            m(x).square().mean().backward()
+        m(x).square().mean().backward()
+    assert model._tieroffload.stats.evictions > 0
+    assert_same(dict(enumerate(p.grad for p in ref.parameters())),
+                dict(enumerate(p.grad for p in model.parameters())), "gradients of the retry")
+    tieroffload.close(model)
+
+
 @pytest.mark.parametrize("then", ["forward", "step"])
 def test_a_backward_that_raises_after_stepping_chunks_stops_training(tmp_path, then):
     """With overlap="backward", a backward that raises after some chunks stepped leaves a torn

@@ -134,7 +134,8 @@ def test_in_place_write_inside_forward_reaches_the_home(tmp_path):
 def test_writes_inside_materialize_reach_the_home_through_p_data_too(tmp_path):
     """Inside materialize (no writeback asked), a write through the parameter bumps its
     version counter and one through ``p.data`` bumps none: both reach the home when a budget
-    smaller than the model evicts the units (WGAN-style weight clipping)."""
+    smaller than the model evicts the units (WGAN-style weight clipping), and so do writes
+    through views taken inside the block and used after it."""
     torch.manual_seed(0)
     ref = mlp(width=16, depth=6)
     model = tieroffload.offload(copy.deepcopy(ref), policy_for("nvme", tmp_path,
@@ -147,7 +148,15 @@ def test_writes_inside_materialize_reach_the_home_through_p_data_too(tmp_path):
                     (p.data if i % 2 else p).clamp_(-0.01, 0.01)
     with tieroffload.materialize(model):
         clip(model)
+        views = [p.data for p in model[-1].parameters()] + [model[-3].weight.detach()]
     clip(ref)
+    for v in views + [p.data for p in ref[-1].parameters()] + [ref[-3].weight.detach()]:
+        with torch.no_grad():
+            v.mul_(0.5)  # after the block: the views hold their units until the next forward
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        for _ in range(2):  # the units go home and come back
+            assert torch.equal(model(x), ref(x))
     assert model._tieroffload.stats.evictions > 0
     sd_ref, sd = ref.state_dict(), model.state_dict()
     for k in sd_ref:

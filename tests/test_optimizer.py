@@ -196,7 +196,7 @@ def test_a_module_in_two_reentrant_segments_is_named_under_step_in_backward(tmp_
     tieroffload.close(model)
     _, model, _, opt = adamw_pair("nvme-nvme-grads", 0.0, "backward", tmp_path,
                                   make=TwiceCheckpointedGPT)
-    with pytest.raises(RuntimeError, match="second gradient in one backward.*use_reentrant=False"):
+    with pytest.raises(RuntimeError, match="second gradient in one micro-batch.*use_reentrant"):
         model(batch(0, 0)).float().square().mean().backward()
     opt.close()
     tieroffload.close(model)
@@ -367,6 +367,70 @@ def test_a_parameter_from_outside_the_model_is_refused(config, tmp_path):
                                          r"torch.float32\) is not a parameter of the offloaded"):
         tieroffload.optimizer(model, torch.optim.AdamW,
                               [{"params": model.parameters()}, {"params": [temp]}])
+    ps = list(model.parameters())
+    with pytest.raises(ValueError, match=f"parameter {len(ps)} of param group 0 .* listed twice"):
+        tieroffload.optimizer(model, torch.optim.AdamW, ps + ps[:1])
+    tieroffload.close(model)
+
+
+def test_a_tensor_lr_and_an_inference_forward_between_deferred_steps(tmp_path):
+    """A deferred update (overlap=True) takes the lr of its step(): a tensor lr, which a
+    scheduler fills in place after step(), is copied then. Applied inside an
+    inference_mode() forward, it makes state a later training step can still update."""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = tieroffload.offload(copy.deepcopy(ref), policy("nvme-nvme-grads", tmp_path))
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=torch.tensor(1e-2), fused=True)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=torch.tensor(1e-2))
+    for m, o in ((ref, opt_ref), (model, opt)):
+        sched = torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5 ** s)
+        for step in range(4):
+            m(batch(step, 0)).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+            sched.step()
+            with torch.inference_mode():  # the deferred update happens here
+                m(batch(step, 1))
+    assert_same_state(ref, model, opt_ref, opt)
+    opt.close()
+    tieroffload.close(model)
+
+
+def test_a_weight_written_between_an_in_backward_step_and_step_is_refused(tmp_path):
+    """overlap="backward" has stepped the chunk when backward ends, so a write before step()
+    (which PyTorch's step would update) is refused before it lands; deferred steps take it
+    as PyTorch does."""
+    ref, model, opt_ref, opt = adamw_pair("nvme-nvme-grads", 0.0, True, tmp_path)
+    for m, o in ((ref, opt_ref), (model, opt)):
+        m(batch(0, 0)).float().square().mean().backward()
+        with torch.no_grad():
+            m.head.weight.fill_(0.0)
+        o.step()
+        o.zero_grad()
+    assert_same_state(ref, model, opt_ref, opt)
+    opt.close()
+    tieroffload.close(model)
+    _, model, _, opt = adamw_pair("nvme-nvme-grads", 0.0, "backward", tmp_path)
+    model(batch(0, 0)).float().square().mean().backward()
+    before = model.head.weight.detach().clone()
+    for write in (lambda: model.head.weight.fill_(0.0),
+                  lambda: model.load_state_dict({"head.weight": torch.zeros_like(before)},
+                                                strict=False)):
+        with torch.no_grad(), pytest.raises(RuntimeError, match="'wte.weight' between backward"):
+            write()
+    assert torch.equal(model.head.weight, before)
+    opt.step()
+    opt.close()
+    tieroffload.close(model)
+
+
+def test_a_second_backward_through_one_graph_before_step_is_named(tmp_path):
+    _, model, _, opt = adamw_pair("nvme-nvme-grads", 0.0, "backward", tmp_path)
+    loss = model(batch(0, 0)).float().square().mean()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second gradient.*retain_graph=True.*before step"):
+        loss.backward()
+    opt.close()
     tieroffload.close(model)
 
 
@@ -603,13 +667,20 @@ def write_weights(how: str, m: nn.Module, offloaded: bool) -> None:
             m.load_state_dict(sd)
     elif how == "init":
         torch.nn.init.normal_(m.blocks[0].mlp[0].weight, generator=g)
+    elif how == "assign":  # p.data = a new tensor
+        for p in m.blocks[0].parameters():
+            p.data = p.detach() * 0.5
+    elif how == "vector":
+        vec = torch.nn.utils.parameters_to_vector(m.parameters())
+        torch.nn.utils.vector_to_parameters(vec * 0.5, m.parameters())
     else:  # through p.data, inside materialize (no writeback asked)
         with tieroffload.materialize(m) if offloaded else contextlib.nullcontext():
             for p in m.blocks[1].parameters():
                 p.data.mul_(0.5)
 
 
-@pytest.mark.parametrize("how", ["load_state_dict", "load_weights", "init", "data"])
+@pytest.mark.parametrize("how", ["load_state_dict", "load_weights", "init", "assign", "vector",
+                                 "data"])
 @pytest.mark.parametrize("config", ["cpu-cpu", "nvme-nvme-grads"])
 def test_weights_written_after_the_optimizer_is_built_are_stepped(how, config, tmp_path):
     """bf16 parameters with fp32 masters: weights written after the optimizer was built are
@@ -623,7 +694,7 @@ def test_weights_written_after_the_optimizer_is_built_are_stepped(how, config, t
     opt_ref = torch.optim.AdamW(masters, lr=1e-2, fused=True)
     opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2)
     for step in range(4):
-        if step == 2:
+        if step in (1, 2):  # twice: each write must be seen
             write_weights(how, ref, False)
             write_weights(how, model, True)
             with torch.no_grad():

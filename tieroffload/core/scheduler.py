@@ -261,6 +261,15 @@ class Scheduler:
             if victim is None and self._writing and not prefetching:
                 self._reap(block=True)  # a prefetch never waits: it is tried again later
                 continue
+            if victim is None and not prefetching:
+                # A prefetch on its way that compute does not want now (the order changed:
+                # a backward that raised left a trace whose next units are another pass's):
+                # it arrives, and is evicted like any other.
+                arriving = next((u for u in self.units if u.state is State.FETCHING
+                                 and u.pins == 0 and u is not target), None)
+                if arriving is not None:
+                    self._finish(arriving)
+                    continue
             if victim is None:
                 if prefetching:
                     return False

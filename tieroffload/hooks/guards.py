@@ -69,15 +69,16 @@ _GET_DATA = torch.Tensor.data.__get__
 
 
 def _check_same_layout(p: torch.Tensor, new: torch.Tensor) -> None:
-    """``p.data = new`` may change values, never the shape or dtype: the unit's pages and
-    its home were laid out for the old one (``resize_token_embeddings`` does this)."""
+    """``p.data = new`` may change values, never the shape, dtype or device: the unit's pages
+    and its home were laid out for the old one (``resize_token_embeddings`` does this)."""
     with plain_tensors():
-        same = new.shape == p.shape and new.dtype == p.dtype
+        same = new.shape == p.shape and new.dtype == p.dtype and new.device == p.device
     if not same:
         raise ValueError(
-            f"tieroffload: p.data = a tensor of {tuple(new.shape)} {new.dtype} on an offloaded "
-            f"parameter of {tuple(p.shape)} {p.dtype} (resize_token_embeddings, a conversion): "
-            "change shapes and dtypes before tieroffload.offload, or close(model) first")
+            f"tieroffload: p.data = a tensor of {tuple(new.shape)} {new.dtype} on {new.device} "
+            f"on an offloaded parameter of {tuple(p.shape)} {p.dtype} on {p.device} "
+            "(resize_token_embeddings, a conversion): change shapes, dtypes and devices "
+            "before tieroffload.offload, or close(model) first")
 
 
 _owner_of: dict[int, tuple[Guards, Unit]] = {}  # id(parameter) -> its model's state, unit
@@ -94,22 +95,28 @@ class OffloadedParameter(nn.Parameter):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
             raise RuntimeError(_COMPILE_ERROR)
-        if func == _SET_DATA:
-            _check_same_layout(*args)
-        away: list[tuple[Guards, Unit]] = []
-        if func not in _NO_DATA:
-            for a in (*args, *kwargs.values()):
-                for b in (a if isinstance(a, (list, tuple)) else (a,)):
-                    if type(b) is OffloadedParameter:
-                        entry = _owner_of.get(id(b))
-                        if entry is not None and entry[1].wants_touch() and entry not in away:
-                            away.append(entry)
+        if func == _SET_DATA and id(args[0]) in _owner_of:
+            # p.data = new: the unit keeps its pages and home, so the values are copied in
+            # (brought in and marked written, as any write); no alias of ``new`` is made.
+            p, new = args
+            _check_same_layout(p, new)
+            if new is not p:  # model.to() of a model already there: nothing to do
+                with torch.no_grad():
+                    p.copy_(new)
+            return None
+        if func in _NO_DATA:
+            with plain_tensors():
+                return func(*args, **kwargs)
+        entries = _owners((*args, *kwargs.values()))
+        name = getattr(func, "__name__", "")
+        wrote = (name.endswith("_") and not name.endswith("__") or name == "__setitem__"
+                 or "out" in kwargs)
+        if wrote:  # the tensor written: self, or out=
+            for state, u in _owners((args[0] if args else None, kwargs.get("out"))):
+                state.before_write(u)
+        away = [e for e in entries if e[1].wants_touch()]
         for state, u in away:
             state.touch(u)
-        if func == _GET_DATA and not away:  # held (materialize, a forward): p.data.clamp_()
-            entry = _owner_of.get(id(args[0]))  # bumps no version counter that would show it
-            if entry is not None and not entry[0]._quiet:
-                entry[0].wrote(entry[1])
         try:
             with plain_tensors():
                 out = func(*args, **kwargs)
@@ -117,12 +124,13 @@ class OffloadedParameter(nn.Parameter):
             for state, u in away:
                 state.untouch(u, hold=False, wrote=False)
             raise
-        if away:
-            held = _storages(out)
-            name = getattr(func, "__name__", "")
-            wrote = name.endswith("_") or name == "__setitem__" or "out" in kwargs
-            for state, u in away:
-                state.untouch(u, hold=bool(u.storage_ptrs() & held), wrote=wrote)
+        for state, u in entries:
+            if (state, u) in away:
+                state.untouch(u, hold=bool(u.storage_ptrs() & _storages(out)), wrote=wrote)
+            elif func == _GET_DATA or state.materialized:
+                # Held by materialize or a forward: a write through p.data bumps no version
+                # counter, and a view taken inside materialize outlives its hold.
+                state.held_view(u, func == _GET_DATA or bool(u.storage_ptrs() & _storages(out)))
         return out
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -136,6 +144,18 @@ class OffloadedParameter(nn.Parameter):
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("pickling a parameter of a model under tieroffload.offload: save "
                         "model.state_dict() or tieroffload.save_checkpoint instead")
+
+
+def _owners(values: tuple) -> list[tuple[Guards, Unit]]:
+    """The (state, unit) of each offloaded parameter among ``values`` (or in their lists)."""
+    out: list[tuple[Guards, Unit]] = []
+    for a in values:
+        for b in (a if isinstance(a, (list, tuple)) else (a,)):
+            if type(b) is OffloadedParameter:
+                entry = _owner_of.get(id(b))
+                if entry is not None and entry not in out:
+                    out.append(entry)
+    return out
 
 
 def _storages(out: Any) -> set[int]:
@@ -180,6 +200,23 @@ class Guards:
             self.scheduler.release([u])
         if hold or wrote:
             self.wrote(u)
+
+    def held_view(self, u: Unit, view: bool) -> None:
+        """An operation on a parameter of ``u`` while something else holds it: a result that
+        views its storage (``p.data``, ``p.detach()``) holds it, changed, until the next
+        forward begins when taken inside materialize (the view outlives the block); taking
+        ``p.data`` marks it changed anyway (a write through it moves no version counter)."""
+        if self._quiet or not view:
+            return
+        if self.materialized:
+            self.scheduler.acquire([u], force=True, record=False)
+            self._touched.append(u)
+        self.wrote(u)
+
+    def before_write(self, u: Unit) -> None:
+        """Refuses a write the paged optimizers cannot follow (see ``check_write``)."""
+        for opt in list(self.optimizers):
+            opt.check_write(u)
 
     def wrote(self, u: Unit) -> None:
         """Code outside the hooks wrote ``u`` (or may yet, through a view it holds): it is

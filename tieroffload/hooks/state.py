@@ -59,6 +59,7 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
         self._bwd_callback_queued = False
         self._fresh_forward = False  # a forward ran since the last backward began
         self._counted = False  # the backward under way counted as a micro-batch
+        self.materialized = 0  # depth of materialize() blocks open
         self._opt_pins: dict[int, tuple[list[Unit], bool]] = {}  # optimizer -> units, grads
         self._grads_seen: dict[int, int] = {}
         self._deferred: list[Unit] = []  # units whose gradients wait for the end of backward
@@ -365,9 +366,11 @@ def materialize(model: nn.Module, writeback: bool = False) -> Iterator[nn.Module
     s = _state(model)
     s.check_loaded(s.units)
     with s.resident(s.units, writeback=writeback):
+        s.materialized += 1
         try:
             yield model
         finally:
+            s.materialized -= 1
             for u in s.units if writeback else ():
                 s.wrote(u)
 

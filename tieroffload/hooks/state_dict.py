@@ -48,6 +48,8 @@ class StateDictHooks:
 
     def _load_pre(self, units: list[Unit]) -> Callable:
         def hook(module: nn.Module, *args: Any) -> None:
+            for u in units:
+                self.before_write(u)
             self.settle(units)
             self.scheduler.acquire(units, force=True, record=False)
         return hook

@@ -118,6 +118,7 @@ def _load_from(s: OffloadState, names: dict[int, set[str]], keys: set[str],
                 if (found := names.get(id(p), {n}) & keys)]
         if not todo:
             continue
+        s.before_write(u)
         with s.resident([u], writeback=s.mover is not None), torch.no_grad():
             for name, p in todo:
                 t = get(name)

@@ -178,6 +178,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._stepped: set[int] = set()  # overlap="backward": chunks stepped this backward
         self._stepped_at = 0  # the backward (its count) in which they stepped
         self._used: list[dict[str, Any]] | None = None  # the hyperparameters they stepped with
+        self._writing_own = False  # an in-backward step writes its chunk's parameters
         self._torn: list[int] = []  # chunks stepped by a backward that then raised
         self._pending: dict[int, list[torch.Tensor | None] | None] = {}  # chunk -> its grads
         self._pending_scale: float | None = None
@@ -214,8 +215,15 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _check_in_model(self) -> None:
         """It steps the model's parameters chunk by chunk along its units: one from elsewhere
         (a loss temperature) would never be stepped, so it is refused."""
+        seen: set[int] = set()
         for gi, g in enumerate(self.param_groups):
             for i, p in enumerate(g["params"]):
+                if id(p) in seen:
+                    raise ValueError(
+                        f"tieroffload.optimizer: parameter {i} of param group {gi} (shape "
+                        f"{tuple(p.shape)}) is listed twice; torch would step it twice (and "
+                        "deprecates it): list each parameter once")
+                seen.add(id(p))
                 if id(p) not in self.offload.param_unit:
                     raise ValueError(
                         f"tieroffload.optimizer: parameter {i} of param group {gi} (shape "
@@ -454,11 +462,12 @@ class PagedOptimizer(torch.optim.Optimizer):
                  if k != "params"} for g in self.param_groups]
 
     def _sync_groups(self, chunk: _Chunk, groups: list[dict[str, Any]] | None = None) -> None:
-        """Gives the chunk's inner groups the hyperparameters of ``groups`` (default: now)."""
+        """Gives the chunk's inner groups the hyperparameters of ``groups`` (default: now);
+        tensors (an lr a scheduler fills in place) as they are now, for a deferred update."""
         for inner_group, gi in zip(chunk.inner.param_groups, chunk.group_of):
             for k, v in (groups or self.param_groups)[gi].items():
                 if k != "params":
-                    inner_group[k] = v
+                    inner_group[k] = v.clone() if isinstance(v, torch.Tensor) else v
 
     def _changed_since(self, used: list[dict[str, Any]] | None) -> str | None:
         """Says which hyperparameter changed since chunks stepped in backward with ``used``."""
@@ -560,10 +569,11 @@ class PagedOptimizer(torch.optim.Optimizer):
             return False
         if i in self._stepped and self._stepped_at == self._backwards:
             raise RuntimeError(
-                f"tieroffload: {u.names[0]!r} got a second gradient in one backward, after "
-                'overlap="backward" had stepped its chunk with the first: a module used in two '
-                "reentrant checkpoint segments (use_reentrant=True) gets one per segment; use "
-                "use_reentrant=False, or overlap=True")
+                f"tieroffload: {u.names[0]!r} got a second gradient in one micro-batch, after "
+                'overlap="backward" had stepped its chunk with the first: a second backward '
+                "through the same graph (retain_graph=True) before step(), or a module used in "
+                "two reentrant checkpoint segments (use_reentrant=True), gives one per pass; "
+                "call step() between backwards, use use_reentrant=False, or overlap=True")
         if i in self._stepped:
             raise RuntimeError(
                 f'tieroffload: overlap="backward" steps each chunk during backward number '
@@ -586,7 +596,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             self._state_in(chunk)
             # the step hooks bring the parameters in and out
-            self._step_chunk(chunk, None, [], self._fill, record=True)
+            self._writing_own = True  # its own writes to the chunk pass check_write
+            try:
+                self._step_chunk(chunk, None, [], self._fill, record=True)
+            finally:
+                self._writing_own = False
             for p in chunk.params:
                 p.grad = None
             self._consume_grads(chunk)
@@ -612,6 +626,17 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._stepped.clear()
         self._ready.clear()
         self._used = None
+
+    def check_write(self, u: Unit) -> None:
+        """Refuses a write to ``u`` between an in-backward step of its chunk and ``step()``:
+        PyTorch would step the written values, and here the step is already taken."""
+        i = self._unit_chunk.get(u.id)
+        if i is not None and i in self._stepped and not self._writing_own:
+            raise RuntimeError(
+                f"tieroffload: writing {u.names[0]!r} between backward and step(): "
+                'overlap="backward" has stepped its chunk during backward already, so the '
+                "write would replace this step's update instead of being updated by it; write "
+                "before backward or after step(), or use overlap=True")
 
     def _check_alone(self) -> None:
         """Two open paged optimizers stepping the same parameters would each use up what the
@@ -686,7 +711,9 @@ class PagedOptimizer(torch.optim.Optimizer):
             return
         self._settling = True
         try:
-            with torch.no_grad():  # called from forward hooks too
+            # Called from forward hooks too, inference_mode()'s among them: the state it makes
+            # must stay usable by a training step.
+            with torch.inference_mode(False), torch.no_grad():
                 self._run(todo, self._pending_scale, self._pending_clips, self._pending_fill,
                           record=False)  # recorded when step() took the gradients
         finally:

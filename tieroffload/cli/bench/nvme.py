@@ -75,7 +75,10 @@ def run_nvme(directory: str | os.PathLike | list[str | os.PathLike] | tuple[str 
     conversion of first writes) up to their fsync; reads are cold where allowed. With one
     directory and one process ``aggregate`` is an empty list: it would repeat the sweep's
     recommended figures."""
-    dirs = directories(directory or None, "--dir")
+    try:
+        dirs = directories(directory or None, "--dir")
+    except ValueError as e:
+        raise BenchError(str(e)) from None
     if not dirs:
         raise BenchError("--dir is needed")
     if size is None:
@@ -100,7 +103,7 @@ def run_nvme(directory: str | os.PathLike | list[str | os.PathLike] | tuple[str 
     for d in dirs:
         check_dir(d)
         st = os.stat(d)
-        if (st.st_dev, st.st_ino) in seen:
+        if (st.st_dev, st.st_ino) in seen:  # another path to it (a bind mount)
             raise BenchError(f"--dir {d}: the same directory as --dir "
                              f"{seen[st.st_dev, st.st_ino]}")
         seen[st.st_dev, st.st_ino] = d
