@@ -261,19 +261,28 @@ def test_torch_clip_grad_norm_(grads, paged, tmp_path):
 
 
 @pytest.mark.parametrize("grads", ["cpu", "nvme"])
-def test_torch_clip_grad_value_(grads, tmp_path):
-    """clip_grad_value_ clips gradients in RAM as torch does; those paged to NVMe it cannot
-    reach, and it says so instead of clipping nothing."""
+def test_torch_clip_grad_value_and_split_clipping(grads, tmp_path):
+    """clip_grad_value_, and get_total_norm + clip_grads_with_norm_ (FSDP2's split), clip
+    gradients in RAM as torch does; those paged to NVMe they cannot reach (the norm would be
+    taken over no gradient), and they say so instead of clipping nothing."""
     ref = gpt2()
     model = tieroffload.offload(copy.deepcopy(ref), clip_policy(tmp_path, ref, grads))
     for m in (ref, model):
         lm_loss(m, tokens(0)).backward()
+
+    def split(m):
+        ps = list(m.parameters())
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ps if p.grad is not None])
+        torch.nn.utils.clip_grads_with_norm_(ps, 1e-2, norm)
     if grads == "nvme":
         with pytest.raises(RuntimeError, match='grads="nvme".*clip_grad_value_.*grads="cpu"'):
             torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+        with pytest.raises(RuntimeError, match="get_total_norm and clip_grads_with_norm_"):
+            split(model)
     else:
         for m in (ref, model):
             torch.nn.utils.clip_grad_value_(m.parameters(), 1e-3)
+            split(m)
         for (n, a), b in zip(ref.named_parameters(), model.parameters()):
             assert torch.equal(a.grad, b.grad), n
     tieroffload.close(model)

@@ -424,6 +424,81 @@ def test_a_weight_written_between_an_in_backward_step_and_step_is_refused(tmp_pa
     tieroffload.close(model)
 
 
+def test_fp16_backward_of_an_unscaled_loss_and_a_skipped_in_backward_step_are_named(tmp_path):
+    """With loss scaling on, step() after a backward of a loss not passed through
+    scale_loss would step by 1/scale of the gradients; zero_grad() after an in-backward step
+    cannot skip the batch. Both raise, naming the fix."""
+    torch.manual_seed(0)
+    model = tieroffload.offload(TinyGPT().half(), policy("nvme-nvme-grads", tmp_path))
+    opt = tieroffload.optimizer(model, torch.optim.SGD, lr=0.1)
+    model(batch(0, 0)).float().square().mean().backward()
+    with pytest.raises(RuntimeError, match="loss scaling is on.*opt.scale_loss"):
+        opt.step()
+    opt.zero_grad()
+    opt.scale_loss(model(batch(0, 0)).float().square().mean()).backward()
+    opt.step()
+    opt.close()
+    tieroffload.close(model)
+    _, model, _, opt = adamw_pair("nvme-nvme-grads", 0.0, "backward", tmp_path)
+    model(batch(0, 0)).float().square().mean().backward()
+    with pytest.raises(RuntimeError, match="cannot be skipped; call step"):
+        opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
+    opt.close()
+    tieroffload.close(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_closing_the_optimizer_applies_its_deferred_update(dtype, tmp_path):
+    """overlap=True leaves each chunk's update for the next use of its parameters: close()
+    applies it (the step was taken), and the model goes on without the optimizer."""
+    torch.manual_seed(0)
+    ref = TinyGPT().to(dtype)
+    model = tieroffload.offload(copy.deepcopy(ref), policy("nvme-nvme-grads", tmp_path))
+    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    opt_ref = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    ref(batch(0, 0)).float().square().mean().backward()
+    manual_master_step(ref, masters, opt_ref, None)
+    model(batch(0, 0)).float().square().mean().backward()
+    opt.step()
+    assert opt._pending
+    opt.close()
+    with tieroffload.materialize(model):
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+    tieroffload.close(model)
+
+
+def test_an_optimizer_dropped_with_a_deferred_update_makes_way_once_it_is_applied(tmp_path):
+    """Dropped (not closed) after a step() whose update was deferred, the old optimizer is
+    held by the model until that update is applied: a new one over the same parameters is
+    refused until then, naming how (materialize applies it); then it trains on."""
+    ref, model, opt_ref, opt = adamw_pair("nvme-nvme-grads", 0.0, True, tmp_path)
+    ref(batch(0, 0)).float().square().mean().backward()
+    opt_ref.step()
+    opt_ref.zero_grad()
+    model(batch(0, 0)).float().square().mean().backward()
+    opt.step()
+    del opt  # dropped with its update deferred
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    with pytest.raises(ValueError, match="another open paged optimizer.*materialize"):
+        model(batch(1, 0))
+    with tieroffload.materialize(model):
+        pass
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    for m, o in ((ref, opt_ref), (model, opt)):
+        m(batch(1, 0)).float().square().mean().backward()
+        o.step()
+        o.zero_grad()
+    with tieroffload.materialize(model):
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+    opt.close()
+    tieroffload.close(model)
+
+
 def test_a_second_backward_through_one_graph_before_step_is_named(tmp_path):
     _, model, _, opt = adamw_pair("nvme-nvme-grads", 0.0, "backward", tmp_path)
     loss = model(batch(0, 0)).float().square().mean()

@@ -286,7 +286,7 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
         if restore:
             self.settle()
         for opt in list(self.optimizers):
-            opt.close()
+            opt.close(apply=False)  # applied above where the model is restored
         self.pending_opts.clear()
         if restore and self.mover is not None:
             self.scheduler.acquire(self.units, force=True, record=False)

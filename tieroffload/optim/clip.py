@@ -2,7 +2,8 @@
 (``grads="nvme"``, or ``"cpu"`` with CUDA, where ``p.grad`` is None): they are clipped where
 they are stored (see ``hooks.steps.clip_paged``), so code that calls torch's function gets the
 true norm.
-``clip_grad_value_`` cannot reach them, and says so."""
+``clip_grad_value_`` cannot reach them, nor can ``clip_grads_with_norm_`` after
+``get_total_norm`` (which sees no gradient there): both say so."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ..hooks.steps import clip_paged, has_paged_grads
 
 _torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
 _torch_clip_grad_value_ = torch.nn.utils.clip_grad_value_
+_torch_clip_grads_with_norm_ = torch.nn.utils.clip_grads_with_norm_
 
 
 def _listed(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -31,17 +33,29 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     return clip_paged(params, max_norm, norm_type, error_if_nonfinite)
 
 
+def _refuse_paged(params: list[torch.Tensor], what: str) -> None:
+    if has_paged_grads(params):
+        raise RuntimeError(
+            'tieroffload: paged gradients (grads="nvme", or grads="cpu" with CUDA) are not in '
+            f"p.grad, where {what} cannot reach them; keep them on the compute device "
+            '(grads="cpu" on the CPU, grads="gpu" with CUDA) or clip by norm '
+            "(torch.nn.utils.clip_grad_norm_, which reaches them)")
+
+
 @functools.wraps(_torch_clip_grad_value_)
 def clip_grad_value_(parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float,
                      foreach: bool | None = None) -> None:
     params = _listed(parameters)
-    if has_paged_grads(params):
-        raise RuntimeError(
-            'tieroffload: paged gradients (grads="nvme", or grads="cpu" with CUDA) are not in '
-            "p.grad, where clip_grad_value_ cannot reach them; keep them on the compute device "
-            '(grads="cpu" on the CPU, grads="gpu" with CUDA) or clip by norm '
-            "(torch.nn.utils.clip_grad_norm_)")
+    _refuse_paged(params, "clip_grad_value_")
     return _torch_clip_grad_value_(params, clip_value, foreach)
+
+
+@functools.wraps(_torch_clip_grads_with_norm_)
+def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
+                          total_norm: torch.Tensor, foreach: bool | None = None) -> None:
+    params = _listed(parameters)
+    _refuse_paged(params, "get_total_norm and clip_grads_with_norm_")
+    return _torch_clip_grads_with_norm_(params, max_norm, total_norm, foreach)
 
 
 def install() -> None:
@@ -50,3 +64,5 @@ def install() -> None:
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
     torch.nn.utils.clip_grad_value_ = clip_grad_value_
     torch.nn.utils.clip_grad.clip_grad_value_ = clip_grad_value_
+    torch.nn.utils.clip_grads_with_norm_ = clip_grads_with_norm_
+    torch.nn.utils.clip_grad.clip_grads_with_norm_ = clip_grads_with_norm_

@@ -179,6 +179,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._stepped_at = 0  # the backward (its count) in which they stepped
         self._used: list[dict[str, Any]] | None = None  # the hyperparameters they stepped with
         self._writing_own = False  # an in-backward step writes its chunk's parameters
+        self._scaled = False  # scale_loss was called since the last step() or zero_grad()
         self._torn: list[int] = []  # chunks stepped by a backward that then raised
         self._pending: dict[int, list[torch.Tensor | None] | None] = {}  # chunk -> its grads
         self._pending_scale: float | None = None
@@ -261,18 +262,25 @@ class PagedOptimizer(torch.optim.Optimizer):
                 out.append(local(x))
         return out
 
-    def close(self) -> None:
-        """Deletes the swap space this optimizer made (the state in it is lost)."""
-        self._drain()
-        self.offload.pending_opts.discard(self)
-        for thing in self._owned:
-            thing.close()
-        self._owned.clear()
-        self.pool.clear()
-        for bufs in (self.grad_bufs, self.copy_bufs):
-            if bufs is not None:
-                bufs.close()
-        _live.discard(self)
+    def close(self, apply: bool = True) -> None:
+        """Applies what a step() left deferred (it is the model's; not with ``apply=False``,
+        as when the model is closed without restoring it), then deletes the swap space this
+        optimizer made (the state in it is lost) and leaves the model."""
+        try:
+            if apply:
+                self.settle()
+            self._drain()
+        finally:
+            self.offload.pending_opts.discard(self)
+            self.offload.optimizers.discard(self)
+            for thing in self._owned:
+                thing.close()
+            self._owned.clear()
+            self.pool.clear()
+            for bufs in (self.grad_bufs, self.copy_bufs):
+                if bufs is not None:
+                    bufs.close()
+            _live.discard(self)
 
     def held(self) -> dict[str, tuple[list[tuple[int, int]], int]]:
         """Host memory it holds, by kind, as (ranges it mapped, bytes from malloc):
@@ -496,6 +504,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.offload.settle_failed_backward()
+        self._check_scaled()
         self._check_torn()
         self._check_alone()
         resuming = self._resume
@@ -504,6 +513,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._resume = False
             return loss
         self._backwards = 0
+        self._scaled = False
         if self.offload.grads is not None:
             self.offload.grads.store_set_by_hand([u for c in self.chunks for u in c.units])
         for shard in self.offload.shards:
@@ -648,7 +658,9 @@ class PagedOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"tieroffload: {shared} of the parameters this paged optimizer steps are "
                     "stepped by another open paged optimizer of the model too: give each its own "
-                    "parameters (params=...), or close the other first")
+                    "parameters (params=...), or close the other first (one dropped after a "
+                    "step() whose update is still deferred stays open until it is applied: "
+                    "run `with tieroffload.materialize(model): pass` before building this one)")
 
     def _check_torn(self) -> None:
         if self._torn:
@@ -981,7 +993,18 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (fp16); backward that, then ``step()`` unscales."""
+        self._scaled = True
         return loss if self.scaler is None else loss * self.scaler.scale
+
+    def _check_scaled(self) -> None:
+        """With loss scaling, ``step()`` divides the gradients by the scale: a backward of an
+        unscaled loss would step by 1/65536 of them, and nothing would learn."""
+        if self.scaler is not None and self._backwards and not self._scaled:
+            raise RuntimeError(
+                f"tieroffload: loss scaling is on (scale {self.scaler.scale:g}; fp16 parameters "
+                "default to it) but backward ran on a loss not passed through "
+                "opt.scale_loss(loss): backward opt.scale_loss(loss), or build the optimizer "
+                "with loss_scale=None")
 
     @property
     def loss_scale(self) -> float | None:
@@ -1006,7 +1029,14 @@ class PagedOptimizer(torch.optim.Optimizer):
         return [u for i in self._pending for u in self.chunks[i].units]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._stepped:
+            raise RuntimeError(
+                f'tieroffload: zero_grad() after a backward in which overlap="backward" '
+                f"stepped {len(self._stepped)} of {len(self.chunks)} chunks, before step(): "
+                "the update is taken already, so the batch cannot be skipped; call step() to "
+                "finish it (skipping batches needs overlap=True)")
         self._backwards = 0  # what was accumulated is gone
+        self._scaled = False
         if set_to_none:
             self._had_grad.clear()
             self._fill = frozenset()
