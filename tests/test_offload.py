@@ -439,6 +439,7 @@ def test_bad_policies_get_clear_errors(tmp_path):
         Policy(device="meta")
     with pytest.raises(ValueError, match="nvme_dir names .* twice"):
         Policy(params="nvme", nvme_dir=[str(tmp_path), str(tmp_path) + "/"])
+    assert Policy(params="nvme", nvme_dir="~/x").nvme_dir == os.path.expanduser("~/x")
     with pytest.raises(ValueError, match="CUDA"):
         tieroffload.offload(mlp(), Policy(params="gpu", device="cpu"))
     big = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 4))

@@ -14,21 +14,22 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 def directories(value: str | os.PathLike | list | tuple | None, what: str = "nvme_dir"
                 ) -> list[str]:
-    """The directories ``value`` names, as strings: [] for None, one for a path, each of a list
-    or tuple (one directory per drive, striped). An empty list is an error naming ``what``."""
+    """The directories ``value`` names, as strings ("~" expanded): [] for None, one for a path,
+    each of a list or tuple (one directory per drive, striped). An empty list, or one naming a
+    directory twice, is an error naming ``what``."""
     if value is None:
         return []
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError(f"{what} is an empty list")
-        out = [os.fspath(d) for d in value]
+        out = [os.path.expanduser(os.fspath(d)) for d in value]
         real = [os.path.realpath(d) for d in out]
         twice = next((d for d, r in zip(out, real) if real.count(r) > 1), None)
         if twice is not None:
             raise ValueError(f"{what} names {twice!r} twice (one directory per drive, each "
                              "once: striping over one drive twice only splits its requests)")
         return out
-    return [os.fspath(value)]
+    return [os.path.expanduser(os.fspath(value))]
 
 
 def exchange(a: str, b: str) -> bool:
