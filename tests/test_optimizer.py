@@ -69,11 +69,16 @@ def adamw_pair(config: str, delay: float, overlap, tmp_path, make=TinyGPT, **opt
                                                       overlap=overlap, **kw, **opt_kw)
 
 
-def assert_same_state(ref, model, opt_ref, opt) -> None:
-    """Parameters and optimizer state equal, bit for bit."""
+def assert_same_params(ref, model) -> None:
+    """Parameters equal, bit for bit."""
     with tieroffload.materialize(model):
         for (n, a), b in zip(ref.named_parameters(), model.parameters()):
             assert torch.equal(a, b), n
+
+
+def assert_same_state(ref, model, opt_ref, opt) -> None:
+    """Parameters and optimizer state equal, bit for bit."""
+    assert_same_params(ref, model)
     sd, sd_ref = opt.state_dict(), opt_ref.state_dict()
     assert sd["state"].keys() == sd_ref["state"].keys()
     for i, st in sd_ref["state"].items():
@@ -465,9 +470,7 @@ def test_closing_the_optimizer_applies_its_deferred_update(dtype, tmp_path):
     opt.step()
     assert opt._pending
     opt.close()
-    with tieroffload.materialize(model):
-        for a, b in zip(ref.parameters(), model.parameters()):
-            assert torch.equal(a, b)
+    assert_same_params(ref, model)
     tieroffload.close(model)
 
 
@@ -492,9 +495,7 @@ def test_an_optimizer_dropped_with_a_deferred_update_makes_way_once_it_is_applie
         m(batch(1, 0)).float().square().mean().backward()
         o.step()
         o.zero_grad()
-    with tieroffload.materialize(model):
-        for a, b in zip(ref.parameters(), model.parameters()):
-            assert torch.equal(a, b)
+    assert_same_params(ref, model)
     opt.close()
     tieroffload.close(model)
 
