@@ -510,6 +510,39 @@ def test_a_second_backward_through_one_graph_before_step_is_named(tmp_path):
     tieroffload.close(model)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_frozen_units_are_not_written_home_by_the_step(overlap, tmp_path):
+    """Fine-tuning with the base frozen and the optimizer over all of the model's parameters
+    (the default): the step writes home only the units it changes, and the weights are those
+    of an optimizer over the trainable parameters alone."""
+    weights = []
+    for only_trainable in (False, True):
+        torch.manual_seed(0)
+        model = TinyGPT()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.blocks[-1].requires_grad_(True)
+        sub = tmp_path / str(only_trainable)
+        sub.mkdir()
+        tieroffload.offload(model, policy("nvme-nvme", sub))
+        mover = model._tieroffload.mover
+        stored, store = [], mover.store
+        mover.store = lambda u, stored=stored, store=store: stored.append(u.name) or store(u)
+        params = [p for p in model.parameters() if p.requires_grad] if only_trainable else None
+        opt = tieroffload.optimizer(model, torch.optim.AdamW, params, lr=1e-2, overlap=overlap)
+        for step in range(3):
+            model(batch(step, 0)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        weights.append(model.state_dict())
+        params_stored = [n for n in stored if not n.startswith("optimizer state")]
+        assert params_stored and all(n.startswith("blocks.2") for n in params_stored), stored
+        opt.close()
+        tieroffload.close(model)
+    for k, v in weights[1].items():
+        assert torch.equal(weights[0][k], v), k
+
+
 def test_opt_state_is_refused_rather_than_read_empty(tmp_path):
     """The state lives chunk by chunk in its tier: opt.state would read empty and drop
     writes (a moment reset), so any use of it raises and names state_dict instead."""

@@ -72,8 +72,13 @@ class StepHooks:
         units, grads = self._opt_pins.pop(id(optimizer), ([], False))
         if not units:
             return
+        # torch's optimizers leave a parameter without a gradient as it is: a frozen unit is
+        # not written home again (an in-place write would show in its version counters).
+        stepped = {id(p) for g in optimizer.param_groups for p in g["params"]
+                   if p.grad is not None}
         for u in units:
-            self.wrote(u)
+            if any(id(p) in stepped for p in u.params):
+                self.wrote(u)
         if grads:  # used up, as the paged optimizer's step uses them up
             self.grads.consume(units)
         self.scheduler.release(units)
