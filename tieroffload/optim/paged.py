@@ -219,18 +219,17 @@ class PagedOptimizer(torch.optim.Optimizer):
         seen: set[int] = set()
         for gi, g in enumerate(self.param_groups):
             for i, p in enumerate(g["params"]):
+                where = (f"tieroffload.optimizer: parameter {i} of param group {gi} (shape "
+                         f"{tuple(p.shape)}, {p.dtype})")
                 if id(p) in seen:
-                    raise ValueError(
-                        f"tieroffload.optimizer: parameter {i} of param group {gi} (shape "
-                        f"{tuple(p.shape)}) is listed twice; torch would step it twice (and "
-                        "deprecates it): list each parameter once")
+                    raise ValueError(f"{where} is listed twice; torch would step it twice (and "
+                                     "deprecates it): list each parameter once")
                 seen.add(id(p))
                 if id(p) not in self.offload.param_unit:
                     raise ValueError(
-                        f"tieroffload.optimizer: parameter {i} of param group {gi} (shape "
-                        f"{tuple(p.shape)}, {p.dtype}) is not a parameter of the offloaded "
-                        "model, and the paged optimizer steps only the model's; step it with "
-                        "a torch.optim optimizer of its own")
+                        f"{where} is not a parameter of the offloaded model, and the paged "
+                        "optimizer steps only the model's; step it with a torch.optim "
+                        "optimizer of its own")
 
     def _check_whole_units(self) -> None:
         """Paged gradients are stored, read back and used up a unit (module) at a time: one
@@ -466,16 +465,18 @@ class PagedOptimizer(torch.optim.Optimizer):
     # -- the step ------------------------------------------------------------------------------
 
     def _hyperparameters(self) -> list[dict[str, Any]]:
+        """The groups' hyperparameters as they are now: tensors (an lr a scheduler fills in
+        place after step()) copied, for an update that runs later."""
         return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items()
                  if k != "params"} for g in self.param_groups]
 
     def _sync_groups(self, chunk: _Chunk, groups: list[dict[str, Any]] | None = None) -> None:
-        """Gives the chunk's inner groups the hyperparameters of ``groups`` (default: now);
-        tensors (an lr a scheduler fills in place) as they are now, for a deferred update."""
+        """Gives the chunk's inner groups the hyperparameters of ``groups`` (default: the
+        outer groups' own values, for an update that runs now)."""
         for inner_group, gi in zip(chunk.inner.param_groups, chunk.group_of):
             for k, v in (groups or self.param_groups)[gi].items():
                 if k != "params":
-                    inner_group[k] = v.clone() if isinstance(v, torch.Tensor) else v
+                    inner_group[k] = v
 
     def _changed_since(self, used: list[dict[str, Any]] | None) -> str | None:
         """Says which hyperparameter changed since chunks stepped in backward with ``used``."""
@@ -537,8 +538,9 @@ class PagedOptimizer(torch.optim.Optimizer):
             if changed:
                 raise RuntimeError(changed)
             return loss
-        for chunk in chunks:  # the hyperparameters (a scheduler's lr) of this step
-            self._sync_groups(chunk)
+        groups = self._hyperparameters()  # of this step, for updates deferred past sched.step()
+        for chunk in chunks:
+            self._sync_groups(chunk, groups)
         if self.overlap:
             for i, chunk in enumerate(chunks):
                 self._pending[i] = self._take_grads(chunk)
