@@ -19,6 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 import tieroffload
 from tieroffload import Policy
+from tieroffload.aio.buffers import aligned_empty
+from tieroffload.compat.tensors import plain_tensors
 
 CONFIGS = {  # (params, optimizer state, gradients)
     "cpu-cpu": ("cpu", "cpu", None),
@@ -204,6 +206,63 @@ def test_a_module_in_two_reentrant_segments_is_named_under_step_in_backward(tmp_
     with pytest.raises(RuntimeError, match="second gradient in one micro-batch.*use_reentrant"):
         model(batch(0, 0)).float().square().mean().backward()
     opt.close()
+    tieroffload.close(model)
+
+
+def home_bytes(u) -> torch.Tensor:
+    """What the unit's NVMe home holds now."""
+    buf = aligned_empty(u.flat.numel(), pin=False)
+    u.home.swap.file.pread(buf, u.home.offset).result()
+    return buf[:u.nbytes]
+
+
+def test_an_update_in_backward_is_written_home_while_backward_runs(tmp_path):
+    """With overlap="backward", the parameters a chunk's update changed are written home
+    during backward, not when a later eviction needs their memory (which, under a small
+    budget, sent every updated unit to the disk at once, ahead of the reads backward waited
+    for). Under a budget that evicts nothing, backward leaves each home equal to its unit."""
+    torch.manual_seed(0)
+    model = tieroffload.offload(TinyGPT(), Policy(params="nvme", optimizer="nvme",
+                                                  nvme_dir=str(tmp_path), device="cpu",
+                                                  cpu_budget="64MiB"))
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, overlap="backward", lr=1e-2)
+    units = model._tieroffload.units
+    for step in range(2):
+        model(batch(step, 0)).float().square().mean().backward()
+        assert len(opt._stepped) == len(opt.chunks)
+        model._tieroffload.scheduler.drain()
+        for u in units:
+            assert u.state.value == "resident" and not u.changed, u
+            assert torch.equal(home_bytes(u), u.flat[:u.nbytes]), u
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    tieroffload.close(model)
+
+
+def test_a_unit_changed_while_its_write_behind_is_on_its_way_is_written_again(tmp_path):
+    """A write in place that no hook sees (as ``nn.Embedding(max_norm=...)`` renormalising
+    rows inside forward) after ``write_behind`` started: evicting the unit waits for that
+    write and writes the later values after it, so the home ends with them."""
+    torch.manual_seed(0)
+    model = tieroffload.offload(mlp(), Policy(params="nvme", nvme_dir=str(tmp_path),
+                                              device="cpu", cpu_budget="64MiB"))
+    sched = model._tieroffload.scheduler
+    u = model._tieroffload.units[0]
+    sched.acquire([u], record=False)
+    sched.release([u])
+    with plain_tensors(), torch.no_grad():
+        p = u.params[0]
+        p.add_(1.0)
+        sched.write_behind([u])
+        u.ticket.wait()  # done, not yet seen done by the scheduler
+        p.mul_(3.0)
+        expected = p.clone()
+    sched.evict(u)
+    sched.drain()
+    assert u.state.value == "away"
+    with tieroffload.materialize(model):
+        assert torch.equal(u.params[0], expected)
     tieroffload.close(model)
 
 

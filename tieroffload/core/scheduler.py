@@ -162,7 +162,8 @@ class Scheduler:
                 self._prefetch(units)
             self.waited = any(u.reading for u in units)
             for u in units:
-                self._finish(u)
+                if not self._behind(u):  # readable while its write goes on
+                    self._finish(u)
         except BaseException:
             self.release(units)  # a failed acquire holds nothing: a retry starts afresh
             raise
@@ -287,6 +288,12 @@ class Scheduler:
         """Frees the unit's storage; one that changed is written back first, asynchronously:
         it stays in memory (and counted) until written, so compute does not wait for the
         write unless the budget needs its memory at once."""
+        if self._behind(u):
+            if not u.changed:  # its home gets what it holds: freed once that write is done
+                u.state = State.WRITING
+                self._writing.append(u)
+                return
+            self._finish(u)  # written again since: that write goes after this one
         if u.state is State.FETCHING:
             self._finish(u)
         if self._prefetched.pop(u.id, None) is not None:
@@ -319,12 +326,39 @@ class Scheduler:
         return freed
 
     def drain(self) -> None:
-        """Waits for every write of an evicted unit (before the swap space goes)."""
+        """Waits for every write of an evicted unit, and those written behind (before the swap
+        space goes)."""
         while self._writing:
             self._reap(block=True)
+        for u in self.units:
+            if self._behind(u):
+                self._finish(u)
+
+    @staticmethod
+    def _behind(u: Unit) -> bool:
+        """Its write was started by ``write_behind`` and not yet waited for."""
+        return u.state is State.RESIDENT and u.ticket is not None
+
+    def write_behind(self, units: list[Unit]) -> None:
+        """Starts writing the changed ones of ``units`` home now, while they stay resident
+        and readable: an eviction later frees them with no write to wait for. After an update
+        in backward this spreads the parameters' writes over backward, where evictions would
+        send all the updated units to the disk at once, ahead of the reads compute waits for.
+        A unit written again before its eviction is written once more then."""
+        for u in units:
+            if self._behind(u) and u.ticket.done():
+                self._finish(u)  # an earlier one, done: the unit may have changed since
+            if u.state is State.RESIDENT and u.ticket is None and u.home is not None \
+                    and u.changed:
+                u.dirty = False
+                u.initialized = True
+                u.snapshot()  # a write from here on shows as a change
+                u.ticket = self.mover.store(u)
 
     def flush(self, u: Unit) -> None:
         """Writes a resident unit's values to its home."""
+        if self._behind(u):  # one write at a time to a home: the newer goes last
+            self._finish(u)
         timed_wait(self.mover.store(u), self.stats)
         u.dirty = False
         u.initialized = True

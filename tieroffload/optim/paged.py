@@ -457,9 +457,12 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._page_in(chunk)
         self._wait(chunk)
 
-    def _drain(self) -> None:
-        """Waits for the state stores in flight; their memory goes to the pool."""
-        while self._writing:
+    def _drain(self, keep: int = 0) -> None:
+        """Waits for the state stores in flight but the newest ``keep``; the memory of those
+        done goes to the pool."""
+        for chunk in [c for c in self._writing if c.pending is None or c.pending.done()]:
+            self._wait(chunk)
+        while len(self._writing) > keep:
             self._wait(self._writing[0])
 
     # -- the step ------------------------------------------------------------------------------
@@ -616,10 +619,14 @@ class PagedOptimizer(torch.optim.Optimizer):
             for p in chunk.params:
                 p.grad = None
             self._consume_grads(chunk)
-            # The previous chunk's store has had this chunk's backward to finish: its pages go
-            # to the state read next (backward runs from the last chunk); this chunk's store
-            # then has the next chunk's backward.
-            self._drain()
+            if self.offload.mover is not None and not self.offload.mover.cuda:
+                # Backward needs these parameters no more: written now, while it computes,
+                # not all at once when the budget needs their memory (see write_behind).
+                self.offload.scheduler.write_behind(chunk.units)
+            # The stores of the chunks before have had this chunk's backward to finish: their
+            # pages go to the state read next (backward runs from the last chunk). One may go
+            # on behind that read: waiting for it held the read back, and backward with it.
+            self._drain(keep=1)
             if i > 0 and i - 1 not in self._stepped:
                 self._bring_in(self.chunks[i - 1])
             self._page_out(chunk)
