@@ -266,6 +266,32 @@ def test_a_unit_changed_while_its_write_behind_is_on_its_way_is_written_again(tm
     tieroffload.close(model)
 
 
+@pytest.mark.parametrize("zero", ["opt", "model", "none"])
+@pytest.mark.parametrize("overlap", [True, "backward"])
+def test_a_backward_after_step_without_zero_grad_is_refused(overlap, zero, tmp_path):
+    """PyTorch adds a backward's gradients to those p.grad kept from the last step unless
+    zero_grad() came between; the paged optimizer lets them go at step(), so that backward
+    is refused before it computes anything, and after opt.zero_grad() or model.zero_grad()
+    training equals PyTorch's."""
+    ref, model, opt_ref, opt = adamw_pair("nvme-nvme", 0.0, overlap, tmp_path)
+    for step in range(3):
+        for m, o in ((ref, opt_ref), (model, opt)):
+            m(batch(step, 0)).float().square().mean().backward()
+            o.step()
+            if zero == "opt":
+                o.zero_grad()
+            elif zero == "model":
+                m.zero_grad()
+        if zero == "none":
+            with pytest.raises(RuntimeError, match="no zero_grad"):
+                model(batch(step + 1, 0)).float().square().mean().backward()
+            break
+    else:
+        assert_same_state(ref, model, opt_ref, opt)
+    opt.close()
+    tieroffload.close(model)
+
+
 def test_step_in_backward_early_step(tmp_path):
     """A step() after fewer micro-batches than accumulation_steps (an epoch's end) steps what
     was accumulated, as plain PyTorch does, and the next steps count afresh."""

@@ -199,6 +199,9 @@ class PassHooks:
                 "backward) over offloaded parameters: the graph of the gradients keeps views of "
                 "weights that are paged out after it; run it inside tieroffload.materialize("
                 "model), or raise the budget to hold the whole model")
+        if self._fresh_forward:
+            for opt in list(self.optimizers):
+                opt.check_zeroed()
         if not self._bwd_callback_queued:
             self._bwd_callback_queued = True
             at_backward_end(self._end_backward)

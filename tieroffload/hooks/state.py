@@ -116,7 +116,8 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
                 self._install_guards(model)
                 if self.grads is not None:  # what p.grad None hides from the user's tools
                     accelerate.route_clip(has_paged_grads, clip_paged)
-                    self._forget_grads_on_zero_grad(model)
+                # paged gradients and a paged optimizer's step see each zero_grad()
+                self._forget_grads_on_zero_grad(model)
             if policy.activations is not None:
                 self._setup_activations(model, io_delay)
         except BaseException:

@@ -34,9 +34,10 @@ class StepHooks:
     """The part of ``OffloadState`` that pins units around a plain optimizer's step."""
 
     def _forget_grads_on_zero_grad(self, model: nn.Module) -> None:
-        """With gradients paged to NVMe, ``zero_grad`` of a plain optimizer or of the model's
-        modules (a skipped batch: backward, then zero_grad without a step) forgets the stored
-        gradients too, as it forgets ``p.grad`` of a plain model."""
+        """``zero_grad`` of a plain optimizer or of the model's modules forgets the stored
+        gradients too, with gradients paged to NVMe (a skipped batch: backward, then zero_grad
+        without a step), as it forgets ``p.grad`` of a plain model; and a paged optimizer
+        learns of it (``PagedOptimizer.check_zeroed``)."""
         torch.optim.Optimizer.zero_grad = _zero_grad  # once for all: it calls torch's
         for m in model.modules():
             m.zero_grad = _module_zero_grad(m, m.zero_grad)
@@ -108,6 +109,8 @@ def drop_stored_grads(params: Iterable[torch.Tensor]) -> None:
     optimizer's does)."""
     ids = {id(p) for p in params}
     for s in list(live):
+        for opt in list(s.optimizers):
+            opt.grads_zeroed(ids)
         if s.grads is not None:
             units = {s.param_unit[i].id: s.param_unit[i] for i in ids if i in s.param_unit}
             # a paged optimizer's deferred updates have taken theirs (see its step)

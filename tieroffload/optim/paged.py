@@ -180,6 +180,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._used: list[dict[str, Any]] | None = None  # the hyperparameters they stepped with
         self._writing_own = False  # an in-backward step writes its chunk's parameters
         self._scaled = False  # scale_loss was called since the last step() or zero_grad()
+        # A step() let gradients go (p.grad is None after it) and no zero_grad() came since:
+        # PyTorch would add the next backward's gradients to those (see check_zeroed).
+        self._unzeroed = False
         self._torn: list[int] = []  # chunks stepped by a backward that then raised
         self._pending: dict[int, list[torch.Tensor | None] | None] = {}  # chunk -> its grads
         self._pending_scale: float | None = None
@@ -516,6 +519,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         if resuming:  # this call retries a step that failed part way: it is now complete
             self._resume = False
             return loss
+        self._unzeroed = self._unzeroed or (bool(self.overlap) and self._backwards > 0)
         self._backwards = 0
         self._scaled = False
         if self.offload.grads is not None:
@@ -645,6 +649,23 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._stepped.clear()
         self._ready.clear()
         self._used = None
+
+    def grads_zeroed(self, ids: set[int]) -> None:
+        """A zero_grad() outside this optimizer (``model.zero_grad()``, another optimizer's)
+        cleared the gradients of the parameters ``ids``."""
+        if ids & self._ids:
+            self._unzeroed = False
+
+    def check_zeroed(self) -> None:
+        """Refuses a backward after a step() that let the gradients go, with no zero_grad()
+        since: PyTorch keeps them in p.grad and adds the new ones to them."""
+        if self._unzeroed:
+            raise RuntimeError(
+                "tieroffload: a backward after step() with no zero_grad() since: PyTorch would "
+                "add its gradients to those the step used (p.grad keeps them), but the paged "
+                "optimizer lets them go at step() (p.grad is None after it); call "
+                "opt.zero_grad() or model.zero_grad() after each step() (p.grad = None by hand "
+                "goes unseen), or use overlap=False, which keeps them")
 
     def check_write(self, u: Unit) -> None:
         """Refuses a write to ``u`` between an in-backward step of its chunk and ``step()``:
@@ -1046,6 +1067,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 "finish it (skipping batches needs overlap=True)")
         self._backwards = 0  # what was accumulated is gone
         self._scaled = False
+        self._unzeroed = False
         if set_to_none:
             self._had_grad.clear()
             self._fill = frozenset()
