@@ -292,6 +292,30 @@ def test_a_backward_after_step_without_zero_grad_is_refused(overlap, zero, tmp_p
     tieroffload.close(model)
 
 
+@pytest.mark.parametrize("clip", ["norm", "value", "with_norm"])
+def test_clipping_after_an_in_backward_step_is_refused(clip, tmp_path):
+    """With overlap="backward" the chunks have stepped when backward returns: p.grad is None,
+    and torch's clips would clip nothing (clip_grad_norm_ returning a norm of 0). Each says so
+    instead, and the step goes on."""
+    ref, model, opt_ref, opt = adamw_pair("nvme-nvme", 0.0, "backward", tmp_path)
+    model(batch(0, 0)).float().square().mean().backward()
+    params = list(model.parameters())
+    with pytest.raises(RuntimeError, match="used up"):
+        if clip == "norm":
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+        elif clip == "value":
+            torch.nn.utils.clip_grad_value_(params, 1.0)
+        else:
+            torch.nn.utils.clip_grads_with_norm_(params, 1.0, torch.tensor(2.0))
+    opt.step()
+    opt.zero_grad()
+    ref(batch(0, 0)).float().square().mean().backward()
+    opt_ref.step()
+    assert_same_params(ref, model)
+    opt.close()
+    tieroffload.close(model)
+
+
 def test_step_in_backward_early_step(tmp_path):
     """A step() after fewer micro-batches than accumulation_steps (an epoch's end) steps what
     was accumulated, as plain PyTorch does, and the next steps count afresh."""

@@ -123,6 +123,12 @@ def _paged(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return [p for p in params if any(id(p) in s.param_unit for s in paging)]
 
 
+def grads_used_in_backward(params: list[torch.Tensor]) -> bool:
+    """True when a paged optimizer with ``overlap="backward"`` has stepped some of ``params``
+    in the backward just run: p.grad is None, and a clip would see no gradient."""
+    return any(o.used_grads_of(params) for s in list(live) for o in list(s.optimizers))
+
+
 def has_paged_grads(params: list[torch.Tensor]) -> bool:
     """True when some of ``params`` have their gradients paged (``Policy.pages_grads``)."""
     return bool(_paged(params))

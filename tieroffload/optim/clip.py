@@ -3,7 +3,8 @@
 they are stored (see ``hooks.steps.clip_paged``), so code that calls torch's function gets the
 true norm.
 ``clip_grad_value_`` cannot reach them, nor can ``clip_grads_with_norm_`` after
-``get_total_norm`` (which sees no gradient there): both say so."""
+``get_total_norm`` (which sees no gradient there): both say so. After a backward in which
+``overlap="backward"`` stepped them, the gradients are used up: all three say so."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..hooks.steps import clip_paged, has_paged_grads
+from ..hooks.steps import clip_paged, grads_used_in_backward, has_paged_grads
 
 _torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
 _torch_clip_grad_value_ = torch.nn.utils.clip_grad_value_
@@ -28,12 +29,23 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
                     norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None) -> torch.Tensor:
     params = _listed(parameters)
+    _refuse_used(params, "clip_grad_norm_")
     if not has_paged_grads(params):
         return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     return clip_paged(params, max_norm, norm_type, error_if_nonfinite)
 
 
+def _refuse_used(params: list[torch.Tensor], what: str) -> None:
+    """Torch's clip would see p.grad None, clip nothing and return a norm of 0."""
+    if grads_used_in_backward(params):
+        raise RuntimeError(
+            f'tieroffload: {what} after a backward in which overlap="backward" stepped the '
+            "chunks: their gradients are used up (p.grad is None), so it would clip nothing "
+            "and return 0; use overlap=True to clip")
+
+
 def _refuse_paged(params: list[torch.Tensor], what: str) -> None:
+    _refuse_used(params, what)
     if has_paged_grads(params):
         raise RuntimeError(
             'tieroffload: paged gradients (grads="nvme", or grads="cpu" with CUDA) are not in '

@@ -705,6 +705,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         """True when chunks have stepped during backward and ``step()`` has not followed."""
         return bool(self._stepped)
 
+    def used_grads_of(self, params: list[torch.Tensor]) -> bool:
+        """Some of ``params`` are stepped by this optimizer, whose chunks stepped during this
+        backward: their gradients are used up (p.grad is None)."""
+        return bool(self._stepped) and any(id(p) in self._ids for p in params)
+
     def forward_begins(self) -> None:
         """Before the forward whose backward is the last of ``accumulation_steps``, the first
         chunk that backward steps starts in."""
