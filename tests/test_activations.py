@@ -167,6 +167,25 @@ def test_peak_memory_drops_by_the_offloaded_bytes(tmp_path):
     assert base - peak >= offloaded // 2, (base, peak, offloaded)
 
 
+@pytest.mark.parametrize("prefetch", [1, 3, "1MiB"])
+def test_a_slow_disk_slows_forward_rather_than_holding_more_activations(prefetch, tmp_path):
+    """Writes not yet done hold their activations: forward waits for them once the prefetch
+    window and one record more are in flight, as the planner counts, however slow the disk."""
+    torch.manual_seed(0)
+    ref = Stack(depth=8)
+    x = torch.randn(1024, 128)  # each saved activation is 512 KiB
+    want = grads_of(ref, x)
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        device="cpu", nvme_dir=str(tmp_path), activations="nvme", activation_threshold="64KiB",
+        prefetch=prefetch), _io_delay=functools.partial(time.sleep, 0.02))
+    assert_same(grads_of(model, x), want)
+    st = tieroffload.stats(model)["activations"]
+    record = 1024 * 128 * 4
+    window = prefetch * record if isinstance(prefetch, int) else 1 << 20
+    assert st["offloaded"] >= 16 and st["peak_inflight"] <= window + record, st
+    tieroffload.close(model)
+
+
 def test_bad_activation_policy(tmp_path):
     with pytest.raises(ValueError, match="activations"):
         Policy(activations="disk")

@@ -6,9 +6,10 @@ threshold, or one that is a parameter (or a view of one), stays where it is. The
 saved by *storage*: several views of one storage (q, k and v split from one projection) become
 one record, written once, and each comes back as the same view of a restored storage, with the
 same strides, so backward computes bit for bit what it would have. Writes run on a worker
-thread while forward goes on; a record keeps its source storage until its write is done (at
-most ``max_inflight`` bytes of them). When backward unpacks record i, the records just before it
-in forward order are already being read back, up to the prefetch window.
+thread while forward goes on; a record keeps its source storage until its write is done, and
+forward waits before it pages out more than the prefetch window and one record more (so a slow
+disk slows forward rather than growing memory). When backward unpacks record i, the records
+just before it in forward order are already being read back, up to the prefetch window.
 
 Unlike ``torch.autograd.graph.save_on_cpu`` the copies overlap compute, and NVMe is a tier.
 """
@@ -153,16 +154,18 @@ class ActivationPager:
             return t
         storage = t.untyped_storage()
         key = (storage.data_ptr(), version(t))
+        self.retire()
         with self._lock:
-            ref = self._by_storage.get(key)
-            record = ref() if ref is not None else None
-            if record is None or record.source is None or record.dead:
+            record = self._live(key)
+        if record is None:
+            self._throttle(storage.nbytes())
+        with self._lock:
+            record = self._live(key)
+            if record is None:
                 record = self._page_out(storage)
                 self._by_storage[key] = weakref.ref(record)
             handle = _Handle(self, record, t)
             self.stats.offloaded += 1
-        self.retire()
-        self._throttle()
         return handle
 
     def unpack(self, h: Any) -> torch.Tensor:
@@ -200,6 +203,12 @@ class ActivationPager:
             return False
         storage = t.untyped_storage()
         return storage.nbytes() >= self.threshold and storage_key(storage) not in self._param_ids
+
+    def _live(self, key: tuple[int, int]) -> _Record | None:
+        """The record of a storage saved earlier in this forward whose bytes are still ours."""
+        ref = self._by_storage.get(key)
+        r = ref() if ref is not None else None
+        return None if r is None or r.source is None or r.dead else r
 
     def _padded(self, n: int) -> int:
         align = self.swap.align if self.swap is not None else 4096
@@ -319,10 +328,21 @@ class ActivationPager:
                 if r.dead:
                     self._free(r)
 
-    def _throttle(self) -> None:
-        """Forward waits for the oldest writes while more than ``max_inflight`` bytes are held."""
-        while self._inflight > self.max_inflight and self._writing:
-            timed_wait(self._writing[0].write, self.stats)
+    def _throttle(self, nbytes: int) -> None:
+        """Before a storage of ``nbytes`` is paged out, forward waits for the oldest writes
+        until it fits beside those still in flight: at most the prefetch window and one record
+        more (units, or bytes), and never over ``max_inflight`` bytes. A slow disk slows
+        forward; it never makes it hold more than the planner counts."""
+        while True:
+            with self._lock:
+                if not self._writing:
+                    return
+                if (len(self._writing) <= self.window_units
+                        and self._inflight + nbytes <= self.max_inflight
+                        and (self.window_bytes is None or self._inflight <= self.window_bytes)):
+                    return
+                ticket = self._writing[0].write
+            timed_wait(ticket, self.stats)
             self.retire()
 
     def _drop(self, r: _Record) -> None:
