@@ -72,6 +72,28 @@ def test_memory_counts_a_tensor_the_user_fills_under_tensors(tmp_path):
     tieroffload.close(model)
 
 
+def test_offloading_to_nvme_gives_back_the_ram_of_parameters_built_in_the_heap(tmp_path):
+    """Parameters under glibc's mmap threshold are carved from its heap, which keeps their
+    pages when they are freed: offload hands them back once they are on their way home."""
+    memory.return_freed_memory()  # the threshold fixed: 256 KiB, over each parameter here
+    memory.trim_heap()
+    before = memory.rss()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(240, 240, bias=False) for _ in range(1024)))
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())  # 225 MiB
+    assert memory.rss() - before >= nbytes * 9 // 10
+    x = torch.randn(2, 240)
+    with torch.no_grad():
+        want = model(x)
+    tieroffload.offload(model, tieroffload.Policy(
+        params="nvme", nvme_dir=str(tmp_path), device="cpu", cpu_budget="1MiB"))
+    held = memory.rss() - before
+    assert held <= nbytes // 2, (held, nbytes)
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    tieroffload.close(model, restore=False)
+
+
 def test_resident_bytes_counts_only_pages_touched():
     from tieroffload import aio
     buf = aio.aligned_empty(16 * memory.PAGE, pin=False)

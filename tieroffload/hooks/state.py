@@ -218,6 +218,10 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
                 self.scheduler.flush(u)
             u.free()
             u.state = State.AWAY
+        if self.device.type == "cpu":
+            # Parameters built while glibc's mmap threshold had grown lie inside its heap;
+            # freed there, their pages stay in RAM until the heap is trimmed.
+            memory.trim_heap()
 
     @contextlib.contextmanager
     def resident(self, units: list[Unit], writeback: bool = False) -> Iterator[None]:
