@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import tieroffload
 from tieroffload import AutoBatch, Policy
+from tieroffload.compat.autograd import top_pack_hook
 from tieroffload.utils import memory
 
 
@@ -183,6 +184,52 @@ def test_a_slow_disk_slows_forward_rather_than_holding_more_activations(prefetch
     record = 1024 * 128 * 4
     window = prefetch * record if isinstance(prefetch, int) else 1 << 20
     assert st["offloaded"] >= 16 and st["peak_inflight"] <= window + record, st
+    tieroffload.close(model)
+
+
+def test_a_keyboard_interrupt_in_forward_leaves_no_hooks_that_page_other_code(tmp_path):
+    """torch skips always-call forward hooks on a KeyboardInterrupt, so the pager's saved-tensor
+    hooks stay pushed: the model's next forward takes them off, and nothing else is paged."""
+    torch.manual_seed(0)
+    ref = Stack(depth=4)
+    x = torch.randn(256, 128)
+    want = grads_of(ref, x, steps=1)
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        device="cpu", nvme_dir=str(tmp_path), activations="nvme", activation_threshold="4KiB",
+        prefetch=1), _io_delay=functools.partial(time.sleep, 0.002))
+    calls = []
+
+    def interrupt(module, args, output):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    handle = model.blocks[2].register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    assert_same(grads_of(model, x, steps=1), want)
+    handle.remove()
+    assert top_pack_hook() is None
+    offloaded = tieroffload.stats(model)["activations"]["offloaded"]
+    plain = copy.deepcopy(ref)
+    grads_of(plain, x, steps=1)
+    assert tieroffload.stats(model)["activations"]["offloaded"] == offloaded
+    tieroffload.close(model)
+    assert_same(grads_of(plain, x, steps=1), want)
+
+
+def test_saved_tensor_hooks_disabled_by_the_user_refuse_training_only(tmp_path):
+    torch.manual_seed(0)
+    ref = Stack(depth=2)
+    x = torch.randn(64, 128)
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        device="cpu", nvme_dir=str(tmp_path), activations="nvme", activation_threshold="4KiB"))
+    with torch.autograd.graph.disable_saved_tensors_hooks("not in this region"):
+        with torch.no_grad():
+            assert torch.equal(model(x), ref(x))
+        with pytest.raises(RuntimeError, match=r"activations='nvme'.*\(not in this region\)"):
+            model(x)
+    assert_same(grads_of(model, x, steps=1), grads_of(ref, x, steps=1))
     tieroffload.close(model)
 
 

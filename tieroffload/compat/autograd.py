@@ -38,3 +38,17 @@ def will_execute(node: Any) -> bool:
 def at_backward_end(fn: Callable[[], None]) -> None:
     """Runs ``fn`` once the current backward pass has finished (call it during backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def top_pack_hook() -> Callable[[torch.Tensor], Any] | None:
+    """The pack hook on top of this thread's stack of default saved-tensor hooks, or None."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return None if top is None else top[0]
+
+
+def saved_tensors_hooks_disabled() -> str | None:
+    """Why saved-tensor hooks are off on this thread
+    (``torch.autograd.graph.disable_saved_tensors_hooks``), or None where they are on."""
+    if torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return None
+    return torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() or "disabled"

@@ -30,6 +30,7 @@ import torch
 
 from ..aio.engine import error_for
 from ..aio.swap import SwapSpace
+from ..compat.autograd import saved_tensors_hooks_disabled, top_pack_hook
 from ..compat.tensors import storage_key, version
 from ..core.devices import pinned_empty
 from ..core.mover import Mover, Ticket, timed_wait
@@ -91,6 +92,25 @@ class _Handle:
         self.pager._drop(self.record)
 
 
+class _Hooks:
+    """One forward's saved-tensor hooks. Retired, they come off autograd's stack where they are
+    on its top, and pass every tensor through where they are not (hooks pushed over them and
+    left there): nothing saved after their forward reaches the pager."""
+
+    def __init__(self, pager: ActivationPager) -> None:
+        self.pager = pager
+        self.live = True
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, pager.unpack)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        return self.pager.pack(t) if self.live else t
+
+    def retire(self) -> None:
+        self.live = False
+        if top_pack_hook() == self.pack:
+            self.ctx.__exit__(None, None, None)
+
+
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
@@ -129,24 +149,38 @@ class ActivationPager:
         self._by_storage: dict[tuple[int, int], weakref.ref[_Record]] = {}
         # An own worker, so that activation I/O never queues behind parameter moves.
         self.mover = Mover(device, 0, 0, Stats(), delay)
-        self._ctx: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._hooks: _Hooks | None = None  # those of the forward running
 
     # -- the hooks -----------------------------------------------------------------------------
 
     def begin(self) -> None:
-        """Starts a forward: saved tensors from here on go through ``pack``."""
+        """Starts a forward: saved tensors from here on go through ``pack``. Hooks a forward
+        left behind (a KeyboardInterrupt skips ``end``) come off first."""
+        self._retire_hooks()
+        off = saved_tensors_hooks_disabled()
+        if off is not None:
+            if not torch.is_grad_enabled():
+                return  # nothing is saved for backward
+            raise RuntimeError(
+                f"tieroffload: activations={self.tier!r} pages what forward saves through "
+                f"autograd's saved-tensor hooks, which are disabled here ({off}): run the "
+                "forward outside torch.autograd.graph.disable_saved_tensors_hooks, or offload "
+                "with activations=None")
         with self._lock:
             self._order = [r for r in self._order if r() is not None]
             self._param_ids = {storage_key(p.untyped_storage()) for p in self.params()}
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self._ctx.__enter__()
+        self._hooks = _Hooks(self)
+        self._hooks.ctx.__enter__()
 
     def end(self) -> None:
-        """Ends the forward (also when it raised): the hooks come off."""
-        ctx, self._ctx = self._ctx, None
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        """Ends the forward (also when it raised an Exception): the hooks come off."""
+        self._retire_hooks()
         self.retire()
+
+    def _retire_hooks(self) -> None:
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.retire()
 
     def pack(self, t: torch.Tensor) -> Any:
         if not self._offloadable(t):
@@ -380,5 +414,6 @@ class ActivationPager:
         r.host = None
 
     def close(self) -> None:
+        self._retire_hooks()
         self.retire(block=True)
         self.mover.close()
