@@ -149,6 +149,17 @@ def test_profiling_leaves_gradients_and_random_streams_as_they_were():
     assert all(p.grad is None for p in model.parameters() if p is not lm)
 
 
+def test_profile_counts_a_record_per_saved_activation_not_per_parameter_view():
+    """The cost model sizes the pager's window by the mean record: views of parameters that
+    autograd saves (a Linear's weight) are neither paged nor records."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
+                          nn.Linear(512, 512))
+    x = torch.randn(512, 512)  # each saved activation is 1 MiB, as is each weight
+    prof = Profile.measure(model, lambda m: m(x).square().mean())
+    assert prof.activation_records == 6 and prof.activation_bytes == 6 << 20
+
+
 @pytest.mark.parametrize("bench", [{"foo": 1}, "not json", {"recommended_figures": {}}])
 def test_a_bench_result_that_is_not_one_is_refused_naming_it(tmp_path, bench):
     if isinstance(bench, str):

@@ -101,7 +101,8 @@ class Profile:
         per_module = {n: statistics.median(v[1:]) for n, v in times.items() if len(v) > 1}
         return cls(sum(p.numel() for p in params), pbytes, max(owned, default=0), len(owned),
                    statistics.median(fwd),
-                   statistics.median(bwd), opt_s, act, len(saved), step_peak, per_module)
+                   statistics.median(bwd), opt_s, act, sum(p not in pids for p in saved),
+                   step_peak, per_module)
 
 
 def _adam_seconds(n: int, probe: int = 4 << 20) -> float:
