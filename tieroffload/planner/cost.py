@@ -154,8 +154,8 @@ def _peak(policy: BasePolicy, profile: Profile, budget: int) -> dict[str, int]:
         avg = A // max(profile.activation_records, 1)
         units, nbytes = policy.prefetch_window()
         window = nbytes if nbytes is not None else units * avg
-        # What the step holds besides its gradients and the saved tensors paged: those under
-        # the threshold, which stay, and forward's temporaries.
+        # What the resident step held besides its P bytes of gradients and the saved tensors
+        # now paged: those under the threshold, which stay, and forward's temporaries.
         other = max(profile.step_peak - A - P, 0)
         work = min(profile.step_peak, grads + min(A, 2 * window + 2 * avg) + other)
         if policy.activations == "cpu":

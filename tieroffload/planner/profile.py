@@ -93,7 +93,8 @@ class Profile:
             for p, g in grads:
                 p.grad = g
             rng.__exit__(None, None, None)
-        act = sum(n for ptr, n in saved.items() if ptr not in pids)
+        paged = [n for ptr, n in saved.items() if ptr not in pids]  # parameters' views are not
+        act = sum(paged)
         grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
         if not step_peak:  # no peak to read here: everything at once, as a bound
             step_peak = act + grads
@@ -101,8 +102,8 @@ class Profile:
         per_module = {n: statistics.median(v[1:]) for n, v in times.items() if len(v) > 1}
         return cls(sum(p.numel() for p in params), pbytes, max(owned, default=0), len(owned),
                    statistics.median(fwd),
-                   statistics.median(bwd), opt_s, act, sum(p not in pids for p in saved),
-                   step_peak, per_module)
+                   statistics.median(bwd), opt_s, act, len(paged), step_peak,
+                   per_module)
 
 
 def _adam_seconds(n: int, probe: int = 4 << 20) -> float:
