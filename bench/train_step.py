@@ -1,7 +1,8 @@
 """One AdamW training step of a GPT whose parameters and Adam state total several GiB, in one
-run: everything resident (the compute floor), then parameters, gradients and optimizer state on
-NVMe under a CPU budget. Reports the I/O lower bound (bytes moved / the disk's read and write
-GB/s measured here), step time / max(compute, I/O bound), and peak RSS.
+run: parameters, gradients and optimizer state on NVMe under a CPU budget, and after each of its
+steps, in a child process, the same step all resident (the compute floor) and the disk's read
+and write GB/s. Reports each step against the compute and I/O lower bound (bytes moved / the
+disk's GB/s) measured right after it, and peak RSS.
 
     python bench/train_step.py --dir /mnt/nvme --layers 16 --d 1024 --budget 1GiB
 """
@@ -9,6 +10,7 @@ GB/s measured here), step time / max(compute, I/O bound), and peak RSS.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import tempfile
 import threading
@@ -51,26 +53,56 @@ def step(model, opt, args, i: int) -> tuple[float, float]:
     return time.perf_counter() - t0, loss.item() * args.accumulate
 
 
-def resident_compute(args, layers: int) -> float:
-    """Seconds of a plain step of the same GPT with ``layers`` blocks, all in RAM: the fastest
-    of five after a warm-up (this machine's compute wanders by 2x between seconds; the fastest
-    is the floor the offloaded step is held to)."""
-    torch.manual_seed(0)
-    model = GPT(args.vocab, args.d, layers, 16, args.seq)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    times = [step(model, opt, args, i)[0] for i in range(6)]
-    return min(times[1:])
+def _probe_worker(args, layer_counts: list[int], directory: str, conn) -> None:
+    """The child of ResidentProbe: plain GPTs of each layer count, all in RAM; for each request,
+    the fastest of ``args.probe_repeats`` steps of each after a warm-up (this machine's compute
+    wanders by 2x between seconds; the fastest is the floor the offloaded step is held to), the
+    peak RSS of those steps above the RSS before them, and the disk's read and write GB/s."""
+    models = []
+    for k in layer_counts:
+        torch.manual_seed(0)
+        model = GPT(args.vocab, args.d, k, 16, args.seq)
+        models.append((model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)))
+    i = 0
+    while conn.recv():
+        times, base = [], start_peak(torch.device("cpu"))
+        for model, opt in models:
+            runs = [step(model, opt, args, i + j)[0] for j in range(args.probe_repeats + 1)]
+            times.append(min(runs[1:]))
+            i += len(runs)
+        conn.send((times, peak_rss() - base, disk_gbps(directory, 1 << 30)))
 
 
-def compute_estimate(args) -> float:
-    """The compute of a step too large to run in RAM: two resident runs of a few blocks, the
-    time per block from their difference, scaled to ``args.layers``."""
-    k1, k2 = args.probe_layers, 2 * args.probe_layers
-    t1, t2 = resident_compute(args, k1), resident_compute(args, k2)
-    per_block = (t2 - t1) / (k2 - k1)
-    print(f"resident steps of {k1} and {k2} blocks: {t1:.2f} s, {t2:.2f} s "
-          f"({per_block:.2f} s a block)")
-    return t1 + per_block * (args.layers - k1)
+class ResidentProbe:
+    """The compute floor, measured in a child process between the offloaded steps, so that
+    both see the machine as it is at that moment: a resident run of the whole GPT, or with
+    ``--meta`` (a model too large for RAM) of ``--probe-layers`` blocks and twice that, the time
+    per block from their difference, scaled to ``--layers``; then the disk's speed. The child's
+    memory is its own: the offloaded process's RSS does not include it."""
+
+    def __init__(self, args, directory: str) -> None:
+        k = args.probe_layers
+        self.counts = [k, 2 * k] if args.meta else [args.layers]
+        self.layers = args.layers
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_probe_worker, args=(args, self.counts, directory, child))
+        self._proc.start()
+        self.peak = 0
+
+    def measure(self) -> tuple[float, float, float]:
+        """(seconds of compute of one step of the whole GPT, read GB/s, write GB/s), now."""
+        self._conn.send(True)
+        times, peak, (read_gbps, write_gbps) = self._conn.recv()
+        self.peak = max(self.peak, peak)
+        if len(times) == 1:
+            return times[0], read_gbps, write_gbps
+        (k1, k2), (t1, t2) = self.counts, times
+        return t1 + (t2 - t1) / (k2 - k1) * (self.layers - k1), read_gbps, write_gbps
+
+    def close(self) -> None:
+        self._conn.send(False)
+        self._proc.join()
 
 
 class PeakSampler:
@@ -124,33 +156,19 @@ def main() -> None:
                    help="--meta: blocks in the smaller of the two resident runs")
     p.add_argument("--activations", default=None, choices=["cpu", "nvme"],
                    help="Policy(activations=...): where saved activations go")
+    p.add_argument("--probe-repeats", type=int, default=3,
+                   help="resident steps after each offloaded one (after a warm-up); the "
+                        "fastest counts")
     args = p.parse_args()
     tmp = tempfile.TemporaryDirectory(dir=args.dir or ".", prefix="bench-train-")
+    probe = ResidentProbe(args, tmp.name)
 
-    read_gbps, write_gbps = disk_gbps(tmp.name, 1 << 30)
     torch.manual_seed(0)
     with torch.device("meta" if args.meta else "cpu"):
         model = GPT(args.vocab, args.d, args.layers, 16, args.seq)
     n = sum(q.numel() for q in model.parameters())
     print(f"GPT {args.layers}x{args.d}: {n / 1e6:.0f} M params; params {format_bytes(4 * n)}, "
           f"Adam state {format_bytes(8 * n)}, grads {format_bytes(4 * n)}")
-    print(f"disk here: read {read_gbps:.2f} GB/s, write {write_gbps:.2f} GB/s")
-
-    resident = None
-    if not args.meta:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        step(model, opt, args, 0)
-        base, times = start_peak(torch.device("cpu")), []
-        for i in range(args.steps):
-            times.append(step(model, opt, args, i + 1)[0])
-        resident = statistics.median(times)
-        resident_peak = peak_rss() - base
-        del opt
-        state0 = {k: v.clone() for k, v in model.state_dict().items()}
-        torch.manual_seed(0)
-        model = GPT(args.vocab, args.d, args.layers, 16, args.seq)
-        model.load_state_dict(state0)
-        del state0
     prefetch = {} if args.prefetch is None else {
         "prefetch": int(args.prefetch) if args.prefetch.isdigit() else args.prefetch}
     tieroffload.offload(model, tieroffload.Policy(
@@ -165,43 +183,44 @@ def main() -> None:
                                 **({"overlap": "backward", "accumulation_steps": args.accumulate}
                                    if args.step_in_backward else {}))
     step(model, opt, args, 0)
+    probe.measure()  # the child's first steps run slow: not counted
     before = peak_rss()  # loading and the warm-up step
     base = start_peak(torch.device("cpu"))
     st0 = tieroffload.stats(model)
     sampler = PeakSampler(model)
-    times = []
+    rows = []
     for i in range(args.steps):
         seconds, loss = step(model, opt, args, i + 1)
-        times.append(seconds)
-        print(f"step {i + 1}: {seconds:.1f} s, loss {loss:.4f}", flush=True)
+        compute, read_gbps, write_gbps = probe.measure()
+        rows.append((seconds, compute, read_gbps, write_gbps))
+        print(f"step {i + 1}: {seconds:.1f} s, loss {loss:.4f}; then compute {compute:.2f} s, "
+              f"disk read {read_gbps:.2f} and write {write_gbps:.2f} GB/s", flush=True)
     parts = sampler.stop()
     st = tieroffload.stats(model)
     peak = peak_rss()
+    probe.close()
     opt.close()
     tieroffload.close(model, restore=False)
     tmp.cleanup()
-    if args.meta:  # after the offloaded run, so that its peak is its own
-        resident = compute_estimate(args)
-    ours = statistics.median(times)
     read = (st["bytes_read"]["nvme"] - st0["bytes_read"]["nvme"]) / args.steps
     written = (st["bytes_written"]["nvme"] - st0["bytes_written"]["nvme"]) / args.steps
-    io_bound = read / 1e9 / read_gbps + written / 1e9 / write_gbps
+    bounds = [read / 1e9 / r + written / 1e9 / w for _, _, r, w in rows]
+    ratios = [s / max(c, b) for (s, c, _, _), b in zip(rows, bounds)]
     print(f"per step: NVMe read {format_bytes(read)}, written {format_bytes(written)}; "
-          f"I/O lower bound {io_bound:.2f} s")
-    floor = max(resident, io_bound)
+          f"I/O lower bound {statistics.median(bounds):.2f} s (median)")
     what = "compute (estimated)" if args.meta else "resident"
-    print(f"step time: {what} {resident:.2f} s, "
-          f"tieroffload {ours:.2f} s ({ours / floor:.2f}x max(compute, I/O bound)); "
+    print(f"step time, medians: {what} {statistics.median(r[1] for r in rows):.2f} s, "
+          f"tieroffload {statistics.median(r[0] for r in rows):.2f} s; each step against the "
+          f"compute and disk measured after it: {statistics.median(ratios):.2f}x max(compute, "
+          f"I/O bound) ({', '.join(f'{x:.2f}' for x in ratios)}); "
           f"waited on I/O {(st['wait_s'] - st0['wait_s']) / args.steps:.2f} s/step"
           + (f"; a core lent at {(st['lent'] - st0['lent']) / args.steps:.0f} acquires/step"
              if args.lend_core else ""))
     print(f"peak RSS over the measured steps: {format_bytes(peak)} "
           f"({format_bytes(peak - base)} above the {format_bytes(base)} before them); "
           f"budget {format_bytes(st['budget'])}, staging {format_bytes(st['overhead'])}; "
-          f"the whole run's peak {format_bytes(max(before, peak))}"
-          + ("" if args.meta else
-             f"; the resident steps peaked {format_bytes(resident_peak)} above theirs "
-             "(activations, gradients and temporaries)"))
+          f"the whole run's peak {format_bytes(max(before, peak))}; the resident steps (in "
+          f"their own process) peaked {format_bytes(probe.peak)} above theirs")
     print(f"at the highest sample, {format_bytes(sampler.top)}: {parts}")
 
 

@@ -12,7 +12,8 @@ TINY = ["--layers", "2", "--d", "64", "--vocab", "128", "--seq", "16", "--batch"
 
 
 @pytest.mark.parametrize("script,args,says", [
-    ("train_step.py", TINY + ["--meta", "--steps", "1", "--probe-layers", "1"], "step time:"),
+    ("train_step.py", TINY + ["--meta", "--steps", "1", "--probe-layers", "1"],
+     "max(compute, I/O bound)"),
     ("gpu_step.py", TINY + ["--device", "cpu", "--steps", "1"], "nvme: step"),
     ("io_beside_compute.py", ["--gib", "0.0625", "--rounds", "1", "--adamw-params", "1048576"],
      "adamw: alone"),
