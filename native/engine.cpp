@@ -113,6 +113,10 @@ std::shared_ptr<Request> Engine::submit(int fd, uintptr_t addr, uint64_t nbytes,
   return req;
 }
 
+void Engine::hurry(const std::shared_ptr<Request>& req) {
+  if (!closed() && !req->done()) impl_->hurry(req.get());
+}
+
 void Engine::close() {
   std::lock_guard<std::mutex> lk(close_mu_);
   if (closed_.exchange(true)) return;

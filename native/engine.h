@@ -67,6 +67,9 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual void submit(std::vector<Op>&& ops) = 0;
+  // Moves the ops of `req` that wait for a slot ahead of every other waiting op, in their
+  // order: someone is blocked on req, nobody yet on the rest.
+  virtual void hurry(const Request* req) = 0;
   // Finishes what is in flight, then stops the workers.
   virtual void shutdown() = 0;
 };
@@ -86,6 +89,9 @@ class Engine {
   const std::string& backend() const { return backend_; }
   std::shared_ptr<Request> submit(int fd, uintptr_t addr, uint64_t nbytes, uint64_t offset,
                                   bool write, bool direct, uint32_t align);
+  // Runs the not yet started pieces of `req` before every other waiting piece (a no-op once
+  // the engine is closed: nothing waits then).
+  void hurry(const std::shared_ptr<Request>& req);
   void close();
   bool closed() const { return closed_.load(); }
 

@@ -60,6 +60,9 @@ PYBIND11_MODULE(_native, m) {
       .def("submit", &Engine::submit, py::arg("fd"), py::arg("addr"), py::arg("nbytes"),
            py::arg("offset"), py::arg("write"), py::arg("direct"), py::arg("align"),
            py::call_guard<py::gil_scoped_release>())
+      .def("hurry", &Engine::hurry, py::arg("request"),
+           "Runs the request's waiting pieces before every other waiting piece.",
+           py::call_guard<py::gil_scoped_release>())
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());
 
   py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())

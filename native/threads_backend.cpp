@@ -1,6 +1,7 @@
 // Portable backend: a pool of workers doing pread/pwrite, one op each at a time.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <thread>
 
@@ -22,6 +23,12 @@ class ThreadsBackend : public Backend {
       for (auto& op : ops) queue_.push_back(std::move(op));
     }
     cv_.notify_all();
+  }
+
+  void hurry(const Request* req) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::stable_partition(queue_.begin(), queue_.end(),
+                          [req](const Op& op) { return op.req.get() == req; });
   }
 
   void shutdown() override {

@@ -1,5 +1,6 @@
 // io_uring backend: callers submit straight into the ring (under a lock); one reaper thread
 // takes completions, resubmits short I/O and refills the ring up to queue_depth.
+#include <algorithm>
 #include <cerrno>
 #include <system_error>
 #include <thread>
@@ -31,6 +32,12 @@ class UringBackend : public Backend {
     std::lock_guard<std::mutex> lk(mu_);
     for (auto& op : ops) pending_.push_back(new Op(std::move(op)));
     fill();
+  }
+
+  void hurry(const Request* req) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::stable_partition(pending_.begin(), pending_.end(),
+                          [req](const Op* op) { return op->req.get() == req; });
   }
 
   void shutdown() override {

@@ -180,12 +180,16 @@ def _close_all() -> None:
 
 class Future:
     """The result of one read or write: ``result()`` blocks (without the GIL) and returns the
-    byte count or raises ``AIOError``; ``await fut`` works from asyncio."""
+    byte count or raises ``AIOError``; ``await fut`` works from asyncio. A request that
+    ``result()`` waits on goes ahead of the requests queued before it that nobody waits on
+    yet: a read that compute needs now does not queue behind a write behind."""
 
-    __slots__ = ("_req", "_path", "_offset", "_nbytes", "_write")
+    __slots__ = ("_req", "_engine", "_path", "_offset", "_nbytes", "_write")
 
-    def __init__(self, req: Any, path: str, offset: int, nbytes: int, write: bool) -> None:
+    def __init__(self, req: Any, engine: Any, path: str, offset: int, nbytes: int,
+                 write: bool) -> None:
         self._req = req
+        self._engine = engine  # the native engine, for hurry()
         self._path = path
         self._offset = offset
         self._nbytes = nbytes
@@ -195,6 +199,8 @@ class Future:
         return self._req.done()
 
     def result(self, timeout: float | None = None) -> int:
+        if not self._req.done():
+            self._engine.hurry(self._req)
         if not self._req.wait(-1.0 if timeout is None else float(timeout)):
             raise TimeoutError(f"I/O on {self._path!r} not done after {timeout} s")
         err = self._req.error
