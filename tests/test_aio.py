@@ -336,6 +336,34 @@ def test_a_read_waited_on_runs_before_the_writes_queued_ahead_of_it(tmp_path, ba
     assert order.index("r") < 48, f"the read finished after {order.index('r')} of 96 writes"
 
 
+DROPPED_ENGINE_CHILD = r"""
+import sys, time
+from tieroffload import aio
+
+def run(path, backend):
+    eng = aio.Engine(backend=backend, queue_depth=4, block_size=4096)
+    f = aio.open(path, "w+", engine=eng)
+    buf = aio.aligned_empty(4096)
+    buf.fill_(7)
+    f.pwrite(buf, 0).add_done_callback(lambda fu: time.sleep(0.5))  # in an I/O thread
+
+run(sys.argv[1], sys.argv[2])  # the file, the engine and the future are dropped here
+with open(sys.argv[1], "rb") as g:
+    assert g.read(4096) == bytes([7]) * 4096
+print("closed")
+"""
+
+
+@pytest.mark.parametrize("backend", aio.backends())
+def test_an_engine_dropped_while_a_done_callback_runs_closes_without_a_hang(tmp_path, backend):
+    """Dropping the last reference to an engine closes it; a callback still running in its
+    I/O thread needs the GIL to finish, so the close must wait for it without holding it."""
+    out = subprocess.run([sys.executable, "-c", DROPPED_ENGINE_CHILD, str(tmp_path / "d"),
+                          backend], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "closed"
+
+
 def test_default_engine(tmp_path):
     with aio.open(tmp_path / "z", "w+") as f:
         assert f.engine is aio.default_engine()

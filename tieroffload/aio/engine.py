@@ -147,6 +147,14 @@ class Engine:
         """Waits for what is in flight, then stops the engine's threads."""
         self._impl.close()
 
+    def __del__(self) -> None:
+        # Closed here, where the native close() waits without the GIL, rather than in the
+        # native destructor, which holds it: a done-callback still running in an I/O thread
+        # needs the GIL to finish, and close() waits for it.
+        impl = getattr(self, "_impl", None)
+        if impl is not None:
+            impl.close()
+
     def __enter__(self) -> Engine:
         return self
 
@@ -186,10 +194,12 @@ class Future:
 
     __slots__ = ("_req", "_engine", "_path", "_offset", "_nbytes", "_write")
 
-    def __init__(self, req: Any, engine: Any, path: str, offset: int, nbytes: int,
+    def __init__(self, req: Any, engine: Engine, path: str, offset: int, nbytes: int,
                  write: bool) -> None:
         self._req = req
-        self._engine = engine  # the native engine, for hurry()
+        # Weak: a future kept by its own done-callback would otherwise hold the last reference
+        # to the engine, whose close() then ran in the I/O thread that it joins.
+        self._engine = weakref.ref(engine)
         self._path = path
         self._offset = offset
         self._nbytes = nbytes
@@ -199,8 +209,9 @@ class Future:
         return self._req.done()
 
     def result(self, timeout: float | None = None) -> int:
-        if not self._req.done():
-            self._engine.hurry(self._req)
+        engine = self._engine()
+        if engine is not None and not self._req.done():
+            engine._impl.hurry(self._req)
         if not self._req.wait(-1.0 if timeout is None else float(timeout)):
             raise TimeoutError(f"I/O on {self._path!r} not done after {timeout} s")
         err = self._req.error

@@ -145,7 +145,7 @@ class File:
         req = self.engine._impl.submit(self._fd, addr, nbytes, offset, write, self.direct,
                                        self.align)
         self._inflight.add(req, keep)
-        return Future(req, self.engine._impl, self.path, offset, nbytes, write)
+        return Future(req, self.engine, self.path, offset, nbytes, write)
 
     def _check_alignment(self, addr: int, nbytes: int, offset: int) -> None:
         a, m = self.align, self.mem_align
