@@ -86,7 +86,9 @@ class ResidentProbe:
         self.layers = args.layers
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_probe_worker, args=(args, self.counts, directory, child))
+        # A daemon: if the offloaded run raises, exit ends the child instead of waiting on it.
+        self._proc = ctx.Process(target=_probe_worker, args=(args, self.counts, directory, child),
+                                 daemon=True)
         self._proc.start()
         self.peak = 0
 
