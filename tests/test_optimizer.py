@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -164,6 +165,62 @@ def test_step_in_backward_matches_pytorch(config, delay, accumulate, tmp_path):
     if paged:
         with pytest.raises(RuntimeError, match="accumulation_steps"):
             model(batch(0, 9)).square().mean().backward()
+    opt.close()
+    tieroffload.close(model)
+
+
+def test_step_in_backward_returns_while_the_last_state_store_goes_on(tmp_path):
+    """With overlap="backward", step() does not wait for the state stores backward started
+    last: they go on beside the next forward, whose acquires free their memory once done (or
+    keep it, for the chunk that backward steps first). Here every move after the embedding's
+    gradient arrives is held until step() has returned; the training stays bit for bit that
+    of plain PyTorch."""
+    armed, go, held_past_step = threading.Event(), threading.Event(), []
+
+    def delay() -> None:  # the mover's thread, before each move
+        if armed.is_set() and not go.wait(timeout=5):
+            held_past_step.append(True)  # step() waited for this move
+            go.set()
+
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        params="nvme", optimizer="nvme", nvme_dir=str(tmp_path), device="cpu",
+        cpu_budget="64MiB"), _io_delay=delay)
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **kw)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, overlap="backward", **kw)
+    # The embedding's output gradient comes before its weight's, the last chunk's step and
+    # that chunk's state store.
+    def arm_in_backward(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        def arm(grad: torch.Tensor) -> None:
+            model._tieroffload.mover.submit(lambda: None).wait()  # the moves before: done
+            armed.set()
+
+        if out.requires_grad and steps_done == [2]:
+            out.register_hook(arm)
+
+    model.wte.register_forward_hook(arm_in_backward)
+    steps_done = [0]
+    for step in range(4):
+        steps_done[0] = step
+        for m, o in ((model, opt), (ref, opt_ref)):
+            m(batch(step, 0)).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+        if step == 2:
+            assert armed.is_set() and opt.held()["optimizer"][0]  # the store holds its state
+            go.set()
+            armed.clear()
+    assert not held_past_step
+    # Once written, the next forward's acquires free the stored state, and the pages kept
+    # for reading state (a forward without gradients does not read any ahead).
+    model._tieroffload.mover.submit(lambda: None).wait()
+    with torch.no_grad():
+        model(batch(0, 0))
+    memory = tieroffload.stats(model)["memory"]
+    assert memory["optimizer"] == memory["parked"] == 0, memory
+    assert_same_state(ref, model, opt_ref, opt)
     opt.close()
     tieroffload.close(model)
 

@@ -61,6 +61,7 @@ class _Chunk:
         self.group_of: list[int] = []  # outer group index of each inner group
         self.state_unit: Unit | None = None  # the chunk's state tensors, once they exist
         self.pending: Ticket | None = None   # a load or store on its way
+        self.keep = False  # wanted again while its store is on its way: stays when written
 
     def inner_param(self, i: int) -> nn.Parameter:
         """What the inner optimizer steps: the master copy, or the parameter itself."""
@@ -402,8 +403,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         return out
 
     def _page_in(self, chunk: _Chunk) -> None:
-        """Starts bringing the chunk's state back (no wait)."""
+        """Starts bringing the chunk's state back (no wait). State still being written is
+        still here: it stays once written, with nothing to read."""
         u = chunk.state_unit
+        if chunk in self._writing:
+            chunk.keep = True
         if u is None or u.state is not State.AWAY:
             return
         u.allocate(self.pool)  # the load overwrites every byte
@@ -416,6 +420,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         if chunk.pending is not None:
             ticket, chunk.pending = chunk.pending, None
             u = chunk.state_unit
+            keep, chunk.keep = chunk.keep, False
             try:
                 timed_wait(ticket, self.offload.stats)
             except BaseException:
@@ -427,7 +432,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 raise
             if u.state is State.FETCHING:
                 u.state = State.RESIDENT
-            else:  # a store finished: the memory can go
+            elif not keep:  # a store finished: the memory can go
                 u.free(self.pool)
                 u.state = State.AWAY
 
@@ -463,10 +468,23 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _drain(self, keep: int = 0) -> None:
         """Waits for the state stores in flight but the newest ``keep``; the memory of those
         done goes to the pool."""
-        for chunk in [c for c in self._writing if c.pending is None or c.pending.done()]:
-            self._wait(chunk)
+        self._free_stored()
         while len(self._writing) > keep:
             self._wait(self._writing[0])
+
+    def _free_stored(self) -> None:
+        """Gives the memory of the chunks whose store is done to the pool (no wait)."""
+        for chunk in [c for c in self._writing if c.pending is None or c.pending.done()]:
+            self._wait(chunk)
+
+    def _reap(self) -> None:
+        """``_free_stored``; once no store is left and no step is under way, the pages kept
+        for the next chunk's read go back: until the next step they serve nothing."""
+        self._free_stored()
+        if not self._writing and not self._pending and not self._stepped:
+            self.pool.clear()
+            if self.offload.grads is not None:
+                self.offload.grads.pool.clear()
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -748,7 +766,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         return grads
 
     def settle(self, units: list[Unit] | None = None) -> None:
-        """Applies the deferred updates of the chunks that hold ``units`` (all: None)."""
+        """Applies the deferred updates of the chunks that hold ``units`` (all: None), and
+        frees the state of the last step's stores that are done (each forward acquire calls
+        this)."""
+        if self._writing and not self._settling:
+            self._reap()
         if not self._pending or self._settling:
             return
         todo = (sorted(self._pending) if units is None else
@@ -795,11 +817,10 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._pending_clips = clips
             self._pending_fill = fill
             raise
-        if not self._pending:  # the step is done: nothing more to overlap its stores with
-            self._drain()
-            self.pool.clear()  # until the next step, its pages serve nothing
-            if self.offload.grads is not None:
-                self.offload.grads.pool.clear()
+        # The last stores go on beside what follows the step: the next forward's acquires
+        # free them (see settle), where a failed one raises from a call that a retry redoes
+        # whole. Waiting here left the disk's last writes unhidden, and a store that failed
+        # here failed a step() already complete, which a retry would apply again.
 
     def _run_chunk(self, todo: list[int], k: int, sched: Any, scale: float | None,
                    clips: list[torch.Tensor], fill: frozenset[int], record: bool) -> None:
