@@ -64,6 +64,9 @@ class Scheduler:
         # within the budget.
         self.pool = PagePool(0)
         self._writing: collections.deque[Unit] = collections.deque()  # evicted, being written
+        # A write behind that failed, met when its unit was written again: raised by
+        # ``raise_failed_write`` (see ``write_behind``).
+        self._failed_write: BaseException | None = None
         stats.prefetch = self.prefetch_bytes if self.prefetch_bytes is not None \
             else self.prefetch_units
 
@@ -344,16 +347,30 @@ class Scheduler:
         and readable: an eviction later frees them with no write to wait for. After an update
         in backward this spreads the parameters' writes over backward, where evictions would
         send all the updated units to the disk at once, ahead of the reads compute waits for.
-        A unit written again before its eviction is written once more then."""
+        A unit written again before its eviction is written once more then.
+
+        An earlier write of a unit that failed is not raised here, inside backward after an
+        update (no retry could redo that backward): the unit is written again now, and the
+        error waits for ``raise_failed_write`` at the next forward."""
         for u in units:
             if self._behind(u) and u.ticket.done():
-                self._finish(u)  # an earlier one, done: the unit may have changed since
+                try:
+                    self._finish(u)  # an earlier one, done: the unit may have changed since
+                except Exception as e:  # left resident and dirty: written again below
+                    self._failed_write = self._failed_write or e
             if u.state is State.RESIDENT and u.ticket is None and u.home is not None \
                     and u.changed:
                 u.dirty = False
                 u.initialized = True
                 u.snapshot()  # a write from here on shows as a change
                 u.ticket = self.mover.store(u)
+
+    def raise_failed_write(self) -> None:
+        """Raises, once, the error of a write behind that failed (its unit was written again
+        since)."""
+        error, self._failed_write = self._failed_write, None
+        if error is not None:
+            raise error
 
     def flush(self, u: Unit) -> None:
         """Writes a resident unit's values to its home."""

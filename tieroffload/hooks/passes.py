@@ -87,6 +87,7 @@ class PassHooks:
 
     def _begin_iteration(self, module: nn.Module, args: Any) -> None:
         if not in_backward():  # not a recomputation inside backward
+            self.scheduler.raise_failed_write()
             self.settle_failed_backward()
             self._release_fwd_pins()  # left by a forward that raised past its hooks
             self.release_touched()
