@@ -1168,18 +1168,22 @@ def test_bad_nbytes(tmp_path):
         _one_line_value_error(lambda: f.pread(bytearray(4096), 0, -1))
 
 
-@pytest.mark.parametrize("overlap", ["backward", False])
-def test_writes_failing_at_the_end_of_a_step_raise_where_a_retry_works(shim, tmp_path, overlap):
-    """The state stores a step starts last (in backward with overlap="backward", at the end
-    of step() with overlap=False) go on after step() returns. Writes failing from the
-    embedding's gradient on (the last chunk's parameters and state) raise their I/O error
-    from step() or a later forward: never from inside a backward that has stepped chunks, nor
-    from a step() already complete, whose retry applied the update again (every parameter
-    then differed from plain PyTorch). Retrying the call that raised, after the fault clears,
+@pytest.mark.parametrize("overlap,where,width", [
+    ("backward", "embedding", 32),  # one chunk: its state's store outlives step()
+    (False, "embedding", 32),       # the same store, started by step() itself
+    ("backward", "output", 512),    # every write of a backward that steps two chunks
+])
+def test_writes_failing_in_a_step_raise_where_a_retry_works(shim, tmp_path, overlap, where,
+                                                            width):
+    """Writes failing from the gradient of the model's ``where`` on (parameters written
+    behind, optimizer state stored) raise their I/O error from step() or a later forward:
+    never from inside a backward that has stepped chunks (a torn step: training stopped),
+    nor from a step() already complete (its retry applied the update again: every parameter
+    differed from plain PyTorch). Retrying the call that raised, after the fault clears,
     ends as plain PyTorch does."""
     out = run_faulty(shim, f"""
         torch.manual_seed(0)
-        ref = TinyGPT()
+        ref = TinyGPT(d={width}, layers=2)
         model = tieroffload.offload(copy.deepcopy(ref), Policy(
             params="nvme", optimizer="nvme", nvme_dir=os.environ["TMP_DIR"], device="cpu",
             cpu_budget="64MiB", io=THREADS))
@@ -1190,7 +1194,9 @@ def test_writes_failing_at_the_end_of_a_step_raise_where_a_retry_works(shim, tmp
             if out.requires_grad and armed == [True]:
                 out.register_hook(lambda g: arm(writes=10**6))
                 armed.append(False)
-        model.wte.register_forward_hook(arm_in_backward)
+        (model.wte if {where!r} == "embedding" else model).register_forward_hook(
+            arm_in_backward)
+        chunks = len(opt.chunks)
         errors = []
         for step in range(5):
             opt_ref.zero_grad(); loss_of(ref, step).backward(); opt_ref.step()
@@ -1216,8 +1222,9 @@ def test_writes_failing_at_the_end_of_a_step_raise_where_a_retry_works(shim, tmp
         sd, sd_ref = opt.state_dict()["state"], opt_ref.state_dict()["state"]
         state_diff = [(i, k) for i in sd_ref for k in sd_ref[i]
                       if not torch.equal(sd[i][k], sd_ref[i][k])]
-        result(errors=errors, failed=failed(), diff=diff, state_diff=state_diff)
+        result(errors=errors, failed=failed(), diff=diff, state_diff=state_diff, chunks=chunks)
     """, tmp_path)
+    assert (out["chunks"] > 1) == (where == "output"), out
     # the state's store and the parameters' write behind: each raises once, at a call that
     # the retry redoes whole
     assert 1 <= len(out["errors"]) <= out["failed"], out

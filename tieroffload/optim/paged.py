@@ -185,6 +185,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         # PyTorch would add the next backward's gradients to those (see check_zeroed).
         self._unzeroed = False
         self._torn: list[int] = []  # chunks stepped by a backward that then raised
+        # A state store that failed inside backward, after chunks had stepped: raised by the
+        # next step(), which a retry redoes whole (the state stays resident until written).
+        self._failed_store: BaseException | None = None
         self._pending: dict[int, list[torch.Tensor | None] | None] = {}  # chunk -> its grads
         self._pending_scale: float | None = None
         # zero_grad(set_to_none=False): plain PyTorch keeps a zero p.grad for every parameter
@@ -532,6 +535,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._check_scaled()
         self._check_torn()
         self._check_alone()
+        error, self._failed_store = self._failed_store, None
+        if error is not None:
+            raise error
         resuming = self._resume
         self.settle()  # what a previous step left, before new gradients are taken
         if resuming:  # this call retries a step that failed part way: it is now complete
@@ -648,7 +654,10 @@ class PagedOptimizer(torch.optim.Optimizer):
             # The stores of the chunks before have had this chunk's backward to finish: their
             # pages go to the state read next (backward runs from the last chunk). One may go
             # on behind that read: waiting for it held the read back, and backward with it.
-            self._drain(keep=1)
+            try:
+                self._drain(keep=1)
+            except Exception as e:  # raised by step(): from here no retry could redo backward
+                self._failed_store = self._failed_store or e
             if i > 0 and i - 1 not in self._stepped:
                 self._bring_in(self.chunks[i - 1])
             self._page_out(chunk)
