@@ -1230,3 +1230,45 @@ def test_writes_failing_in_a_step_raise_where_a_retry_works(shim, tmp_path, over
     assert 1 <= len(out["errors"]) <= out["failed"], out
     assert all("Errno 5" in e for e in out["errors"]), out["errors"]
     assert out["diff"] == [] and out["state_diff"] == [], out
+
+
+@pytest.mark.parametrize("call", ["state_dict", "save_checkpoint"])
+def test_a_state_store_failing_under_a_state_dict_is_written_again(shim, tmp_path, call):
+    """overlap=True: opt.state_dict() and save_checkpoint apply the deferred update first, and
+    a failed store of the updated state raises from them. The retry must write that state
+    again, not drop it: memory held the only copy, and the next read brought back the state
+    from before the update (every parameter and moment then differed from plain PyTorch)."""
+    save = {"state_dict": "opt.state_dict()",
+            "save_checkpoint": 'tieroffload.save_checkpoint(os.path.join(os.environ["TMP_DIR"],'
+                               ' "ck"), model, opt)'}[call]
+    out = run_faulty(shim, f"""
+        torch.manual_seed(0)
+        ref = TinyGPT()
+        model = tieroffload.offload(copy.deepcopy(ref), Policy(
+            params="nvme", optimizer="nvme", nvme_dir=os.environ["TMP_DIR"], device="cpu",
+            cpu_budget="64MiB", io=THREADS))
+        opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **KW)
+        opt = tieroffload.optimizer(model, torch.optim.AdamW, overlap=True, **KW)
+        errors = []
+        for step in range(5):
+            for m, o in ((ref, opt_ref), (model, opt)):
+                o.zero_grad(); loss_of(m, step).backward(); o.step()
+            if step == 2:
+                arm(writes=1)
+                for attempt in range(3):
+                    try:
+                        {save}
+                        break
+                    except OSError as e:
+                        errors.append(str(e))
+        with tieroffload.materialize(model):
+            diff = [n for (n, a), b in zip(ref.named_parameters(), model.parameters())
+                    if not torch.equal(a, b)]
+        sd, sd_ref = opt.state_dict()["state"], opt_ref.state_dict()["state"]
+        state_diff = [(i, k) for i in sd_ref for k in sd_ref[i]
+                      if not torch.equal(sd[i][k], sd_ref[i][k])]
+        result(errors=errors, failed=failed(), diff=diff, state_diff=state_diff)
+    """, tmp_path)
+    assert out["failed"] == 1 and len(out["errors"]) == 1, out
+    assert "Errno 5" in out["errors"][0], out
+    assert out["diff"] == [] and out["state_diff"] == [], out

@@ -62,6 +62,7 @@ class _Chunk:
         self.state_unit: Unit | None = None  # the chunk's state tensors, once they exist
         self.pending: Ticket | None = None   # a load or store on its way
         self.keep = False  # wanted again while its store is on its way: stays when written
+        self.unsaved = False  # its state's last store failed: memory holds the only copy
 
     def inner_param(self, i: int) -> nn.Parameter:
         """What the inner optimizer steps: the master copy, or the parameter itself."""
@@ -432,6 +433,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 if u.state is State.FETCHING:
                     u.free()
                     u.state = State.AWAY
+                else:
+                    chunk.unsaved = True
                 raise
             if u.state is State.FETCHING:
                 u.state = State.RESIDENT
@@ -457,6 +460,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 self.pool.cap = max(self.pool.cap, u.flat.numel())
             chunk.state_unit = u
         chunk.state_unit.state = State.RESIDENT  # until _wait sees the store done
+        chunk.unsaved = False
         chunk.pending = self.mover.store(chunk.state_unit)
         self._writing.append(chunk)
 
@@ -1210,6 +1214,9 @@ class _Resident:
 
     def __exit__(self, *exc: object) -> None:
         if self.paged:
+            if self.chunk.unsaved:  # a store failed: written again, not dropped
+                self.opt._page_out(self.chunk)
+                return
             u = self.chunk.state_unit
             u.free(self.opt.pool)
             u.state = State.AWAY
