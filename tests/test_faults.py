@@ -146,6 +146,23 @@ def loss_of(m, step):
     return m(batch(step)).float().square().mean()
 def result(**kw):
     print("RESULT " + json.dumps(kw), flush=True)
+def retried(call, errors, what):
+    # call(); each exception is noted in errors, the fault disarmed, and the call retried
+    for attempt in range(4):
+        try:
+            return call()
+        except Exception as e:
+            errors.append(f"{{what}}: {{type(e).__name__}}: {{e}}")
+            disarm()
+    raise RuntimeError("gave up: " + " | ".join(errors))
+def differences(ref, model, opt_ref, opt):
+    # the parameters, and the (index, key) of optimizer state, unequal to plain PyTorch's
+    with tieroffload.materialize(model):
+        params = [n for (n, a), b in zip(ref.named_parameters(), model.parameters())
+                  if not torch.equal(a, b)]
+    sd, sd_ref = opt.state_dict()["state"], opt_ref.state_dict()["state"]
+    return params, [(i, k) for i in sd_ref for k in sd_ref[i]
+                    if not torch.equal(sd[i][k], sd_ref[i][k])]
 """
 
 
@@ -242,19 +259,8 @@ def test_transient_read_error_then_retry_matches_pytorch(shim, tmp_path, optim, 
             for phase in ("fwd-bwd", "step"):
                 if step == 2 and phase == {when!r}:
                     arm(reads=1, skip_reads={skip})
-                for attempt in range(4):
-                    try:
-                        if phase == "fwd-bwd":
-                            opt.zero_grad()
-                            loss_of(model, step).backward()
-                        else:
-                            opt.step()
-                        break
-                    except Exception as e:
-                        errors.append(f"step {{step}} {{phase}}: {{type(e).__name__}}: {{e}}")
-                        disarm()
-                else:
-                    raise RuntimeError("gave up: " + " | ".join(errors))
+                retried(lambda: (opt.zero_grad(), loss_of(model, step).backward())
+                        if phase == "fwd-bwd" else opt.step(), errors, f"step {{step}} {{phase}}")
         with tieroffload.materialize(model):
             diff = [n for (n, a), b in zip(ref.named_parameters(), model.parameters())
                     if not torch.equal(a, b)]
@@ -1202,26 +1208,10 @@ def test_writes_failing_in_a_step_raise_where_a_retry_works(shim, tmp_path, over
             opt_ref.zero_grad(); loss_of(ref, step).backward(); opt_ref.step()
             armed.append(step == 2)
             for phase in ("fwd-bwd", "step"):
-                for attempt in range(4):
-                    try:
-                        if phase == "fwd-bwd":
-                            opt.zero_grad()
-                            loss_of(model, step).backward()
-                        else:
-                            opt.step()
-                        break
-                    except Exception as e:
-                        errors.append(f"step {{step}} {{phase}}: {{type(e).__name__}}: {{e}}")
-                        disarm()
-                else:
-                    raise RuntimeError("gave up: " + " | ".join(errors))
+                retried(lambda: (opt.zero_grad(), loss_of(model, step).backward())
+                        if phase == "fwd-bwd" else opt.step(), errors, f"step {{step}} {{phase}}")
             armed.clear()
-        with tieroffload.materialize(model):
-            diff = [n for (n, a), b in zip(ref.named_parameters(), model.parameters())
-                    if not torch.equal(a, b)]
-        sd, sd_ref = opt.state_dict()["state"], opt_ref.state_dict()["state"]
-        state_diff = [(i, k) for i in sd_ref for k in sd_ref[i]
-                      if not torch.equal(sd[i][k], sd_ref[i][k])]
+        diff, state_diff = differences(ref, model, opt_ref, opt)
         result(errors=errors, failed=failed(), diff=diff, state_diff=state_diff, chunks=chunks)
     """, tmp_path)
     assert (out["chunks"] > 1) == (where == "output"), out
@@ -1255,18 +1245,8 @@ def test_a_state_store_failing_under_a_state_dict_is_written_again(shim, tmp_pat
                 o.zero_grad(); loss_of(m, step).backward(); o.step()
             if step == 2:
                 arm(writes=1)
-                for attempt in range(3):
-                    try:
-                        {save}
-                        break
-                    except OSError as e:
-                        errors.append(str(e))
-        with tieroffload.materialize(model):
-            diff = [n for (n, a), b in zip(ref.named_parameters(), model.parameters())
-                    if not torch.equal(a, b)]
-        sd, sd_ref = opt.state_dict()["state"], opt_ref.state_dict()["state"]
-        state_diff = [(i, k) for i in sd_ref for k in sd_ref[i]
-                      if not torch.equal(sd[i][k], sd_ref[i][k])]
+                retried(lambda: {save}, errors, {call!r})
+        diff, state_diff = differences(ref, model, opt_ref, opt)
         result(errors=errors, failed=failed(), diff=diff, state_diff=state_diff)
     """, tmp_path)
     assert out["failed"] == 1 and len(out["errors"]) == 1, out
