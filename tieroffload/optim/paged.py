@@ -62,7 +62,6 @@ class _Chunk:
         self.state_unit: Unit | None = None  # the chunk's state tensors, once they exist
         self.pending: Ticket | None = None   # a load or store on its way
         self.keep = False  # wanted again while its store is on its way: stays when written
-        self.unsaved = False  # its state's last store failed: memory holds the only copy
 
     def inner_param(self, i: int) -> nn.Parameter:
         """What the inner optimizer steps: the master copy, or the parameter itself."""
@@ -433,8 +432,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 if u.state is State.FETCHING:
                     u.free()
                     u.state = State.AWAY
-                else:
-                    chunk.unsaved = True
+                else:  # memory holds the only copy, as a unit's failed write leaves it
+                    u.dirty = True
                 raise
             if u.state is State.FETCHING:
                 u.state = State.RESIDENT
@@ -460,7 +459,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 self.pool.cap = max(self.pool.cap, u.flat.numel())
             chunk.state_unit = u
         chunk.state_unit.state = State.RESIDENT  # until _wait sees the store done
-        chunk.unsaved = False
+        chunk.state_unit.dirty = False
         chunk.pending = self.mover.store(chunk.state_unit)
         self._writing.append(chunk)
 
@@ -1214,7 +1213,7 @@ class _Resident:
 
     def __exit__(self, *exc: object) -> None:
         if self.paged:
-            if self.chunk.unsaved:  # a store failed: written again, not dropped
+            if self.chunk.state_unit.dirty:  # a store failed: written again, not dropped
                 self.opt._page_out(self.chunk)
                 return
             u = self.chunk.state_unit
