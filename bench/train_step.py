@@ -2,7 +2,8 @@
 run: parameters, gradients and optimizer state on NVMe under a CPU budget, and after each of its
 steps, in a child process, the same step all resident (the compute floor) and the disk's read
 and write GB/s. Reports each step against the compute and I/O lower bound (bytes moved / the
-disk's GB/s) measured right after it, and peak RSS.
+disk's GB/s) measured right after it, and against the same bounds taken pass by pass (forward,
+then backward and the step), and peak RSS.
 
     python bench/train_step.py --dir /mnt/nvme --layers 16 --d 1024 --budget 1GiB
 """
@@ -41,23 +42,37 @@ class RandomWeights(dict):
         return torch.randn(shape) * 0.02
 
 
-def step(model, opt, args, i: int) -> tuple[float, float]:
-    """(seconds, loss) of training step ``i``."""
+def step(model, opt, args, i: int, count: bool = False) -> tuple[float, float, float, int, int]:
+    """(seconds, seconds in the forwards, loss, NVMe bytes read and written in the forwards) of
+    training step ``i``; the bytes only with ``count`` (an offloaded model), else 0."""
+    def moved() -> tuple[int, int]:
+        if not count:
+            return 0, 0
+        st = tieroffload.stats(model)
+        return st["bytes_read"]["nvme"], st["bytes_written"]["nvme"]
+
     t0 = time.perf_counter()
+    forward, read, written = 0.0, 0, 0
     for micro in range(args.accumulate):
         x, y = token_batch(i * args.accumulate + micro, args.batch, args.seq, args.vocab)
+        r0, w0 = moved()
+        t = time.perf_counter()
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / args.accumulate
+        forward += time.perf_counter() - t
+        r1, w1 = moved()
+        read, written = read + r1 - r0, written + w1 - w0
         loss.backward()
     opt.step()
     opt.zero_grad()
-    return time.perf_counter() - t0, loss.item() * args.accumulate
+    return time.perf_counter() - t0, forward, loss.item() * args.accumulate, read, written
 
 
 def _probe_worker(args, layer_counts: list[int], directory: str, conn) -> None:
     """The child of ResidentProbe: plain GPTs of each layer count, all in RAM; for each request,
     the fastest of ``args.probe_repeats`` steps of each after a warm-up (this machine's compute
-    wanders by 2x between seconds; the fastest is the floor the offloaded step is held to), the
-    peak RSS of those steps above the RSS before them, and the disk's read and write GB/s."""
+    wanders by 2x between seconds; the fastest is the floor the offloaded step is held to) with
+    its forwards' share, the peak RSS of those steps above the RSS before them, and the disk's
+    read and write GB/s."""
     models = []
     for k in layer_counts:
         torch.manual_seed(0)
@@ -67,7 +82,7 @@ def _probe_worker(args, layer_counts: list[int], directory: str, conn) -> None:
     while conn.recv():
         times, base = [], start_peak(torch.device("cpu"))
         for model, opt in models:
-            runs = [step(model, opt, args, i + j)[0] for j in range(args.probe_repeats + 1)]
+            runs = [step(model, opt, args, i + j)[:2] for j in range(args.probe_repeats + 1)]
             times.append(min(runs[1:]))
             i += len(runs)
         conn.send((times, peak_rss() - base, disk_gbps(directory, 1 << 30)))
@@ -92,15 +107,17 @@ class ResidentProbe:
         self._proc.start()
         self.peak = 0
 
-    def measure(self) -> tuple[float, float, float]:
-        """(seconds of compute of one step of the whole GPT, read GB/s, write GB/s), now."""
+    def measure(self) -> tuple[float, float, float, float]:
+        """(seconds of compute of one step of the whole GPT, of its forwards, read GB/s, write
+        GB/s), now."""
         self._conn.send(True)
         times, peak, (read_gbps, write_gbps) = self._conn.recv()
         self.peak = max(self.peak, peak)
         if len(times) == 1:
-            return times[0], read_gbps, write_gbps
-        (k1, k2), (t1, t2) = self.counts, times
-        return t1 + (t2 - t1) / (k2 - k1) * (self.layers - k1), read_gbps, write_gbps
+            return *times[0], read_gbps, write_gbps
+        (k1, k2), ((t1, f1), (t2, f2)) = self.counts, times
+        scale = (self.layers - k1) / (k2 - k1)
+        return t1 + (t2 - t1) * scale, f1 + (f2 - f1) * scale, read_gbps, write_gbps
 
     def close(self) -> None:
         self._conn.send(False)
@@ -192,11 +209,20 @@ def main() -> None:
     sampler = PeakSampler(model)
     rows = []
     for i in range(args.steps):
-        seconds, loss = step(model, opt, args, i + 1)
-        compute, read_gbps, write_gbps = probe.measure()
-        rows.append((seconds, compute, read_gbps, write_gbps))
-        print(f"step {i + 1}: {seconds:.1f} s, loss {loss:.4f}; then compute {compute:.2f} s, "
-              f"disk read {read_gbps:.2f} and write {write_gbps:.2f} GB/s", flush=True)
+        st = tieroffload.stats(model)
+        seconds, fwd, loss, fwd_read, fwd_written = step(model, opt, args, i + 1, count=True)
+        end = tieroffload.stats(model)
+        compute, fwd_compute, read_gbps, write_gbps = probe.measure()
+        read = end["bytes_read"]["nvme"] - st["bytes_read"]["nvme"]
+        written = end["bytes_written"]["nvme"] - st["bytes_written"]["nvme"]
+        fwd_io = fwd_read / 1e9 / read_gbps + fwd_written / 1e9 / write_gbps
+        io = read / 1e9 / read_gbps + written / 1e9 / write_gbps
+        rows.append((seconds, compute, io,
+                     max(fwd_compute, fwd_io) + max(compute - fwd_compute, io - fwd_io)))
+        print(f"step {i + 1}: {seconds:.1f} s, loss {loss:.4f}; forward {fwd:.2f} s, the rest "
+              f"{seconds - fwd:.2f} s; then compute {fwd_compute:.2f} + "
+              f"{compute - fwd_compute:.2f} s, I/O bound {fwd_io:.2f} + {io - fwd_io:.2f} s "
+              f"(disk read {read_gbps:.2f} and write {write_gbps:.2f} GB/s)", flush=True)
     parts = sampler.stop()
     st = tieroffload.stats(model)
     peak = peak_rss()
@@ -206,15 +232,17 @@ def main() -> None:
     tmp.cleanup()
     read = (st["bytes_read"]["nvme"] - st0["bytes_read"]["nvme"]) / args.steps
     written = (st["bytes_written"]["nvme"] - st0["bytes_written"]["nvme"]) / args.steps
-    bounds = [read / 1e9 / r + written / 1e9 / w for _, _, r, w in rows]
-    ratios = [s / max(c, b) for (s, c, _, _), b in zip(rows, bounds)]
+    ratios = [s / max(c, b) for s, c, b, _ in rows]
+    passes = [s / b for s, _, _, b in rows]
     print(f"per step: NVMe read {format_bytes(read)}, written {format_bytes(written)}; "
-          f"I/O lower bound {statistics.median(bounds):.2f} s (median)")
+          f"I/O lower bound {statistics.median(r[2] for r in rows):.2f} s (median)")
     what = "compute (estimated)" if args.meta else "resident"
     print(f"step time, medians: {what} {statistics.median(r[1] for r in rows):.2f} s, "
           f"tieroffload {statistics.median(r[0] for r in rows):.2f} s; each step against the "
           f"compute and disk measured after it: {statistics.median(ratios):.2f}x max(compute, "
-          f"I/O bound) ({', '.join(f'{x:.2f}' for x in ratios)}); "
+          f"I/O bound) ({', '.join(f'{x:.2f}' for x in ratios)}), "
+          f"{statistics.median(passes):.2f}x the sum over forward and the rest of "
+          f"max(compute, I/O bound) of each; "
           f"waited on I/O {(st['wait_s'] - st0['wait_s']) / args.steps:.2f} s/step"
           + (f"; a core lent at {(st['lent'] - st0['lent']) / args.steps:.0f} acquires/step"
              if args.lend_core else ""))
