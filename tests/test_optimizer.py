@@ -22,6 +22,7 @@ import tieroffload
 from tieroffload import Policy
 from tieroffload.aio.buffers import aligned_empty
 from tieroffload.compat.tensors import plain_tensors
+from tieroffload.testing.models import GPT
 
 CONFIGS = {  # (params, optimizer state, gradients)
     "cpu-cpu": ("cpu", "cpu", None),
@@ -165,6 +166,60 @@ def test_step_in_backward_matches_pytorch(config, delay, accumulate, tmp_path):
     if paged:
         with pytest.raises(RuntimeError, match="accumulation_steps"):
             model(batch(0, 9)).square().mean().backward()
+    opt.close()
+    tieroffload.close(model)
+
+
+def test_the_state_backward_steps_first_is_read_in_the_forward_before_it(tmp_path):
+    """With overlap="backward", the forward whose backward steps reads the state of the last
+    chunks as it reaches them (backward steps those first), where the disk has time to spare,
+    and backward reads ahead past the next chunk where small chunks leave room. Either way the
+    state in memory stays within twice the largest chunk's (one more where the next chunk does
+    not fit), a forward without gradients reads none, and training is PyTorch's bit for bit."""
+    torch.manual_seed(0)
+    ref = GPT(1024, 64, 8, 4, 16)  # the embedding's chunk twice the others'
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        params="nvme", optimizer="nvme", nvme_dir=str(tmp_path), device="cpu",
+        cpu_budget="768KiB"))
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **kw)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, overlap="backward", **kw)
+
+    def held() -> list[int]:
+        return [i for i, c in enumerate(opt.chunks)
+                if c.state_unit is not None and c.state_unit.state.value != "away"]
+
+    def nbytes(chunks: list[int]) -> int:
+        return sum(opt.chunks[i].state_unit.nbytes for i in chunks)
+
+    peaks = []
+    page_in = opt._page_in
+
+    def counting_page_in(chunk) -> None:
+        page_in(chunk)
+        peaks.append(nbytes(held()))
+
+    opt._page_in = counting_page_in
+    for step in range(4):
+        for m, o in ((model, opt), (ref, opt_ref)):
+            loss = m(batch(step, 0)).float().square().mean()
+            if m is model and step:
+                sizes = [c.state_unit.nbytes for c in opt.chunks]
+                window = 2 * max(sizes)
+                tail = held()
+                assert tail == list(range(len(sizes) - len(tail), len(sizes)))
+                assert len(tail) > 1 and nbytes(tail) <= window < nbytes(tail) + sizes[tail[0] - 1]
+                peaks.clear()
+            loss.backward()
+            if m is model and step:
+                assert max(peaks) <= window + max(sizes) < sum(sizes)
+            o.step()
+            o.zero_grad()
+    model._tieroffload.mover.submit(lambda: None).wait()
+    with torch.no_grad():
+        model(batch(0, 0))
+    assert held() == []
+    assert_same_state(ref, model, opt_ref, opt)
     opt.close()
     tieroffload.close(model)
 

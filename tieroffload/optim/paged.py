@@ -178,6 +178,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._ready: dict[int, set[int]] = {}  # overlap="backward": chunk -> units with grads
         self._stepped: set[int] = set()  # overlap="backward": chunks stepped this backward
         self._stepped_at = 0  # the backward (its count) in which they stepped
+        # overlap="backward": the forward before a stepping backward reads the state of the
+        # chunks from this index on as it reaches them (see _window_start)
+        self._tail: int | None = None
         self._used: list[dict[str, Any]] | None = None  # the hyperparameters they stepped with
         self._writing_own = False  # an in-backward step writes its chunk's parameters
         self._scaled = False  # scale_loss was called since the last step() or zero_grad()
@@ -663,6 +666,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 self._failed_store = self._failed_store or e
             if i > 0 and i - 1 not in self._stepped:
                 self._bring_in(self.chunks[i - 1])
+                self._read_ahead(i - 1)
             self._page_out(chunk)
         return True
 
@@ -748,10 +752,45 @@ class PagedOptimizer(torch.optim.Optimizer):
         if (self.overlap == "backward" and self._backwards + 1 == self.accumulation_steps
                 and self.chunks):
             self._bring_in(self.chunks[-1])
+            self._tail = self._window_start()
 
     def backward_begins(self) -> None:
         """Counts the model's backward passes (micro-batches) since the last ``step()``."""
         self._backwards += 1
+        self._tail = None
+
+    def _window(self) -> int:
+        """Bytes of state an in-backward step may hold, the chunk stepping and the stores on
+        their way included: twice the largest chunk's. Reading ahead within it keeps the disk
+        busy where one chunk at a time left it idle between small chunks; where the chunks are
+        as large as the largest, one is read ahead, as before."""
+        return 2 * max((c.state_unit.nbytes for c in self.chunks if c.state_unit is not None),
+                       default=0)
+
+    def _window_start(self) -> int:
+        """The first of the last chunks whose state fits the window together: backward steps
+        them first, so the forward before reads them, where the disk has time to spare."""
+        room, i = self._window(), len(self.chunks)
+        while i > 0 and self.chunks[i - 1].state_unit is not None \
+                and self.chunks[i - 1].state_unit.nbytes <= room:
+            room -= self.chunks[i - 1].state_unit.nbytes
+            i -= 1
+        return i
+
+    def _read_ahead(self, i: int) -> None:
+        """In backward, after ``_bring_in(chunks[i])``: starts the state reads of the chunks
+        before it, which backward steps next, while the state held fits ``_window``."""
+        room = self._window() - sum(
+            c.state_unit.nbytes for c in self.chunks
+            if c.state_unit is not None and c.state_unit.state is not State.AWAY)
+        for j in range(i - 1, -1, -1):
+            u = self.chunks[j].state_unit
+            if j in self._stepped or u is None or u.state is not State.AWAY:
+                continue
+            if u.nbytes > room:
+                return
+            self._page_in(self.chunks[j])
+            room -= u.nbytes
 
     def _bring_in(self, chunk: _Chunk) -> None:
         """Starts reading what an in-backward step of ``chunk`` needs from NVMe: its state, and
@@ -783,6 +822,10 @@ class PagedOptimizer(torch.optim.Optimizer):
         this)."""
         if self._writing and not self._settling:
             self._reap()
+        if self._tail is not None and units is not None:
+            for i in {self._unit_chunk.get(u.id, -1) for u in units}:
+                if i >= self._tail:
+                    self._page_in(self.chunks[i])
         if not self._pending or self._settling:
             return
         todo = (sorted(self._pending) if units is None else

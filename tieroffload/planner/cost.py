@@ -139,11 +139,13 @@ def _peak(policy: BasePolicy, profile: Profile, budget: int) -> dict[str, int]:
     # Gradients: all of them, or the units waiting for the pager.
     grads = P if policy.grads != "nvme" else 3 * profile.largest_unit
     opt_tier = "gpu" if policy.optimizer == "gpu" else "cpu"
-    # Paged: the chunk being updated and the one in flight, next to the gradients. After
+    # Paged: the chunk being updated, its store and the reads ahead, within three of the
+    # largest chunk's state (a chunk holds one unit at least), next to the gradients. After
     # backward (the step at once) that is a peak of its own; deferred into the next forward
-    # (paged parameters), it adds to that forward's.
-    paged = min(ADAM_STATE * n, 2 * ADAM_STATE // 4 * chunk) if policy.optimizer == "nvme" \
-        else 0
+    # (paged parameters) or stepped in backward, it adds to that pass's.
+    largest = max(chunk, profile.largest_unit)
+    paged = min(ADAM_STATE * n, 3 * ADAM_STATE // 4 * largest) \
+        if policy.optimizer == "nvme" else 0
     peak[opt_tier] += ADAM_STATE * n if policy.optimizer != "nvme" else 0
     # Forward and backward: what the sample step measured (activations and gradients, which
     # backward trades one for the other), less what is paged.
