@@ -781,6 +781,36 @@ def test_opt_state_is_refused_rather_than_read_empty(tmp_path):
     tieroffload.close(model)
 
 
+@pytest.mark.parametrize("close_model", [False, True])
+@pytest.mark.parametrize("config", ["cpu-cpu", "nvme-nvme"])
+def test_a_closed_optimizer_refuses_every_use_and_names_state_dict(config, close_model,
+                                                                    tmp_path):
+    """After opt.close() or tieroffload.close(model) the state is gone (with the swap space,
+    where it was on NVMe): a step, zero_grad, clipping, state_dict or load_state_dict raises
+    one error that says so, rather than a closed-file error, or a step of the restored model
+    on state the optimizer no longer keeps. A second close does nothing."""
+    model = tieroffload.offload(TinyGPT(), policy(config, tmp_path))
+    opt = tieroffload.optimizer(model, torch.optim.AdamW)
+    model(batch(0, 0)).float().square().mean().backward()
+    opt.step()
+    saved = opt.state_dict()
+    if close_model:
+        tieroffload.close(model)
+    else:
+        opt.close()
+    opt.close()
+    model(batch(0, 0)).float().square().mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    for use in (opt.step, opt.zero_grad, opt.state_dict, lambda: opt.load_state_dict(saved),
+                lambda: opt.clip_grad_norm_(1.0)):
+        with pytest.raises(RuntimeError, match="optimizer is closed.*state_dict"):
+            use()
+    if close_model:
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    else:
+        tieroffload.close(model)
+
+
 def test_generic_optimizer_and_param_groups(tmp_path):
     torch.manual_seed(0)
     ref = mlp()

@@ -271,10 +271,24 @@ class PagedOptimizer(torch.optim.Optimizer):
                 out.append(local(x))
         return out
 
+    _closed = False  # set by close(): from then on every use is refused (_check_open)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "tieroffload: this paged optimizer is closed (opt.close(), or "
+                "tieroffload.close(model)) and its state is gone: take opt.state_dict() before "
+                "closing (a torch optimizer loads it), and make a new one with "
+                "tieroffload.optimizer(model, ...) to train offloaded again")
+
     def close(self, apply: bool = True) -> None:
         """Applies what a step() left deferred (it is the model's; not with ``apply=False``,
         as when the model is closed without restoring it), then deletes the swap space this
-        optimizer made (the state in it is lost) and leaves the model."""
+        optimizer made (the state in it is lost) and leaves the model. A second close does
+        nothing; any other use after it raises."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             if apply:
                 self.settle()
@@ -533,6 +547,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         state dict, a checkpoint): its state's I/O then overlaps the forward's compute instead
         of following backward. The update is the same: its gradients and hyperparameters are
         taken now, and ``p.grad`` is None after the step."""
+        self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1056,6 +1071,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         paged to NVMe included: returns the total norm (torch's formula, over unscaled
         gradients) and scales the gradients by ``min(1, max_norm / (norm + 1e-6))``, resident
         ones now, paged ones in the step."""
+        self._check_open()
         return self.clip_params([p for g in self.param_groups for p in g["params"]], max_norm,
                                 norm_type, error_if_nonfinite)
 
@@ -1104,6 +1120,7 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (fp16); backward that, then ``step()`` unscales."""
+        self._check_open()
         self._scaled = True
         return loss if self.scaler is None else loss * self.scaler.scale
 
@@ -1140,6 +1157,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         return [u for i in self._pending for u in self.chunks[i].units]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._check_open()
         if self._stepped:
             raise RuntimeError(
                 f'tieroffload: zero_grad() after a backward in which overlap="backward" '
@@ -1177,6 +1195,7 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The torch layout ({"state", "param_groups"}), with copies of the state tensors."""
+        self._check_open()
         self.settle()
         index = self._index()
         state: dict[int, dict[str, Any]] = {}
@@ -1206,6 +1225,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             g.update({k: v for k, v in saved.items() if k != "params"})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._check_open()
         self.settle()
         self.load_groups(state_dict["param_groups"])
         if self.scaler is not None and "loss_scale" in state_dict:
