@@ -228,21 +228,25 @@ def assert_same(a: dict, b: dict, what: str) -> None:
 
 # === 1. transient EIO on a swap read during training ==========================================
 
-@pytest.mark.parametrize("optim,overlap,when,skip,grads", [
-    ("cpu", True, "fwd-bwd", 0, None),    # params on NVMe, the first swap read of step 2 fails
-    ("cpu", True, "fwd-bwd", 5, None),    # ... a later one (inside the forward)
-    ("nvme", False, "step", 0, None),     # params and optimizer state on NVMe: a read in step()
-    ("nvme", False, "step", 3, None),
-    ("nvme", True, "fwd-bwd", 12, None),  # deferred updates: a read deep in the next forward
+@pytest.mark.parametrize("optim,overlap,when,skip,grads,reads", [
+    ("cpu", True, "fwd-bwd", 0, None, 1),    # params on NVMe, the first swap read of step 2 fails
+    ("cpu", True, "fwd-bwd", 5, None, 1),    # ... a later one (inside the forward)
+    # params and optimizer state on NVMe: a state read in step(), which is read once more
+    # before its error is raised: alone it raises nothing, two in a row raise
+    ("nvme", False, "step", 0, None, 1),
+    ("nvme", False, "step", 0, None, 2),
+    ("nvme", False, "step", 3, None, 2),
+    ("nvme", True, "fwd-bwd", 12, None, 2),  # deferred updates: a read deep in the next forward
     # the stored gradients of a deferred update, read in the forward that applies it: the
     # update stays deferred (it was once taken for a step that failed part way, and the next
     # step() was skipped)
-    ("nvme", True, "fwd-bwd", 1, "nvme"),
+    ("nvme", True, "fwd-bwd", 1, "nvme", 1),
 ])
 def test_transient_read_error_then_retry_matches_pytorch(shim, tmp_path, optim, overlap, when,
-                                                         skip, grads):
-    """A swap read that fails once raises from the call that met it (forward, backward or
-    step); retrying that call after the fault clears ends, after N steps, with exactly plain
+                                                         skip, grads, reads):
+    """A swap read that fails raises from the call that met it (forward, backward or step),
+    an optimizer state read only when it fails again on the read made at once in its place;
+    retrying that call after the fault clears ends, after N steps, with exactly plain
     PyTorch's parameters and optimizer step counts."""
     out = run_faulty(shim, f"""
         torch.manual_seed(0)
@@ -258,7 +262,7 @@ def test_transient_read_error_then_retry_matches_pytorch(shim, tmp_path, optim, 
             opt_ref.zero_grad(); loss_of(ref, step).backward(); opt_ref.step()
             for phase in ("fwd-bwd", "step"):
                 if step == 2 and phase == {when!r}:
-                    arm(reads=1, skip_reads={skip})
+                    arm(reads={reads}, skip_reads={skip})
                 retried(lambda: (opt.zero_grad(), loss_of(model, step).backward())
                         if phase == "fwd-bwd" else opt.step(), errors, f"step {{step}} {{phase}}")
         with tieroffload.materialize(model):
@@ -268,8 +272,9 @@ def test_transient_read_error_then_retry_matches_pytorch(shim, tmp_path, optim, 
         steps_ref = sorted({{float(st["step"]) for st in opt_ref.state_dict()["state"].values()}})
         result(errors=errors, failed=failed(), diff=diff, steps=steps, steps_ref=steps_ref)
     """, tmp_path)
-    assert out["failed"] == 1, out
-    assert len(out["errors"]) >= 1 and "Errno 5" in out["errors"][0], out["errors"]
+    assert out["failed"] == reads, out
+    raises = optim == "cpu" or grads == "nvme" or reads == 2
+    assert bool(out["errors"]) == raises, out["errors"]
     assert all("Errno 5" in e for e in out["errors"]), out["errors"]  # the I/O error, nothing else
     assert out["steps"] == out["steps_ref"], out
     assert out["diff"] == [], f"parameters differ from plain PyTorch: {out['diff'][:5]}; {out}"

@@ -543,6 +543,61 @@ def test_a_backward_retried_without_zero_grad_adds_as_pytorch_adds(overlap, fail
     tieroffload.close(model)
 
 
+class _FailingRead:
+    """A mover ticket whose read arrives, then raises EIO, as a failed read does."""
+
+    def __init__(self, ticket) -> None:
+        self.ticket = ticket
+
+    def done(self) -> bool:
+        return self.ticket.done()
+
+    def wait(self) -> None:
+        self.ticket.wait()
+        raise OSError(errno.EIO, "injected EIO on a state read")
+
+
+@pytest.mark.parametrize("no_backward", [False, True])
+def test_state_reads_ahead_that_failed_are_read_again_at_their_use(no_backward, tmp_path):
+    """overlap="backward": the forward reads the state of several chunks ahead. Reads that
+    fail there are read once more where backward needs them, rather than raising from
+    backward after a chunk has stepped (a torn step) when the disk has recovered; the same
+    when the forward that read them had no backward. Training is PyTorch's bit for bit."""
+    torch.manual_seed(0)
+    ref = GPT(1024, 64, 8, 4, 16)
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        params="nvme", optimizer="nvme", nvme_dir=str(tmp_path), device="cpu",
+        cpu_budget="768KiB"))
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **kw)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, overlap="backward", **kw)
+    failing, failed = [False], []
+    load = opt.mover.load
+
+    def failing_load(unit):
+        ticket = load(unit)
+        if failing[0] and any(c.state_unit is unit for c in opt.chunks):
+            failed.append(unit)
+            return _FailingRead(ticket)
+        return ticket
+
+    opt.mover.load = failing_load
+    for step in range(4):
+        for m, o in ((model, opt), (ref, opt_ref)):
+            failing[0] = m is model and step == 2
+            loss = m(batch(step, 0)).float().square().mean()
+            failing[0] = False
+            if failed and no_backward:
+                loss = m(batch(step, 0)).float().square().mean()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+    assert len(failed) > 1
+    assert_same_state(ref, model, opt_ref, opt)
+    opt.close()
+    tieroffload.close(model)
+
+
 @pytest.mark.parametrize("key,value,late", [("lr", 5e-3, 1e-3),
                                            ("betas", (0.8, 0.9), (0.7, 0.8))])
 def test_a_hyperparameter_changed_between_backward_and_step_raises(key, value, late,

@@ -434,7 +434,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         u.state = State.FETCHING
         chunk.pending = self.mover.load(u)
 
-    def _wait(self, chunk: _Chunk) -> None:
+    def _wait(self, chunk: _Chunk, retry: bool = True) -> None:
+        """Waits for the chunk's state read or store. A read that failed is read once more,
+        now, before its error is raised: started ahead of its use (in the forward before, or
+        chunks ahead in backward), its error would fail whatever met it next, inside backward
+        after chunks had stepped a torn step, where the disk may have recovered since."""
         if chunk in self._writing:
             self._writing.remove(chunk)
         if chunk.pending is not None:
@@ -443,12 +447,16 @@ class PagedOptimizer(torch.optim.Optimizer):
             keep, chunk.keep = chunk.keep, False
             try:
                 timed_wait(ticket, self.offload.stats)
-            except BaseException:
+            except BaseException as e:
                 # A failed read gives the memory back (the next use reads afresh); after a
                 # failed write the state is still here, resident, and goes out again later.
                 if u.state is State.FETCHING:
                     u.free()
                     u.state = State.AWAY
+                    if retry and isinstance(e, Exception):
+                        self._page_in(chunk)
+                        self._wait(chunk, retry=False)
+                        return
                 else:  # memory holds the only copy, as a unit's failed write leaves it
                     u.dirty = True
                 raise
@@ -837,7 +845,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         this)."""
         if self._writing and not self._settling:
             self._reap()
-        if self._tail is not None and units is not None:
+        if self._tail is not None and units is not None and torch.is_grad_enabled():
             for i in {self._unit_chunk.get(u.id, -1) for u in units}:
                 if i >= self._tail:
                     self._page_in(self.chunks[i])
