@@ -170,20 +170,27 @@ def test_step_in_backward_matches_pytorch(config, delay, accumulate, tmp_path):
     tieroffload.close(model)
 
 
+def large_embedding_pair(tmp_path):
+    """A GPT whose embedding's chunk is twice the others' (12 chunks under 768 KiB) and its
+    offloaded copy, with plain AdamW and the paged one stepping in backward."""
+    torch.manual_seed(0)
+    ref = GPT(1024, 64, 8, 4, 16)
+    model = tieroffload.offload(copy.deepcopy(ref), Policy(
+        params="nvme", optimizer="nvme", nvme_dir=str(tmp_path), device="cpu",
+        cpu_budget="768KiB"))
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **kw)
+    return ref, model, opt_ref, tieroffload.optimizer(model, torch.optim.AdamW,
+                                                      overlap="backward", **kw)
+
+
 def test_the_state_backward_steps_first_is_read_in_the_forward_before_it(tmp_path):
     """With overlap="backward", the forward whose backward steps reads the state of the last
     chunks as it reaches them (backward steps those first), where the disk has time to spare,
     and backward reads ahead past the next chunk where small chunks leave room. Either way the
     state in memory stays within twice the largest chunk's (one more where the next chunk does
     not fit), a forward without gradients reads none, and training is PyTorch's bit for bit."""
-    torch.manual_seed(0)
-    ref = GPT(1024, 64, 8, 4, 16)  # the embedding's chunk twice the others'
-    model = tieroffload.offload(copy.deepcopy(ref), Policy(
-        params="nvme", optimizer="nvme", nvme_dir=str(tmp_path), device="cpu",
-        cpu_budget="768KiB"))
-    kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **kw)
-    opt = tieroffload.optimizer(model, torch.optim.AdamW, overlap="backward", **kw)
+    ref, model, opt_ref, opt = large_embedding_pair(tmp_path)
 
     def held() -> list[int]:
         return [i for i, c in enumerate(opt.chunks)
@@ -563,14 +570,7 @@ def test_state_reads_ahead_that_failed_are_read_again_at_their_use(no_backward, 
     fail there are read once more where backward needs them, rather than raising from
     backward after a chunk has stepped (a torn step) when the disk has recovered; the same
     when the forward that read them had no backward. Training is PyTorch's bit for bit."""
-    torch.manual_seed(0)
-    ref = GPT(1024, 64, 8, 4, 16)
-    model = tieroffload.offload(copy.deepcopy(ref), Policy(
-        params="nvme", optimizer="nvme", nvme_dir=str(tmp_path), device="cpu",
-        cpu_budget="768KiB"))
-    kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **kw)
-    opt = tieroffload.optimizer(model, torch.optim.AdamW, overlap="backward", **kw)
+    ref, model, opt_ref, opt = large_embedding_pair(tmp_path)
     failing, failed = [False], []
     load = opt.mover.load
 
