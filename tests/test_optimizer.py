@@ -598,6 +598,55 @@ def test_state_reads_ahead_that_failed_are_read_again_at_their_use(no_backward, 
     tieroffload.close(model)
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_a_state_read_failing_twice_tears_only_the_chunks_that_stepped(first, tmp_path):
+    """overlap="backward": a chunk's state read that fails, and fails again read once more,
+    raises from backward before that chunk steps. Where it is the first chunk backward steps,
+    nothing has changed: zero_grad() and the batch again train as PyTorch, bit for bit (the
+    chunk counted as stepped and the step was refused as torn). Further on, the step is torn,
+    and the message counts the chunks whose parameters did change."""
+    ref, model, opt_ref, opt = large_embedding_pair(tmp_path)
+    for step in range(2):
+        for m, o in ((model, opt), (ref, opt_ref)):
+            m(batch(step, 0)).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+    target = opt.chunks[-1 if first else opt._window_start() - 1].state_unit
+    left = [2]  # the read and its second try
+    load = opt.mover.load
+
+    def failing_load(unit):
+        ticket = load(unit)
+        if unit is target and left[0] > 0:
+            left[0] -= 1
+            return _FailingRead(ticket)
+        return ticket
+
+    opt.mover.load = failing_load
+    with tieroffload.materialize(model):
+        before = [[p.detach().clone() for p in c.params] for c in opt.chunks]
+    with pytest.raises(OSError, match="injected EIO"):
+        model(batch(2, 0)).float().square().mean().backward()
+    assert left[0] == 0
+    with tieroffload.materialize(model):
+        changed = sum(any(not torch.equal(p, b) for p, b in zip(c.params, old))
+                      for c, old in zip(opt.chunks, before))
+    if not first:
+        assert changed > 0
+        with pytest.raises(RuntimeError, match=f"raised after {changed} of {len(opt.chunks)} "):
+            opt.zero_grad()
+        return
+    assert changed == 0
+    for m, o in ((model, opt), (ref, opt_ref)):
+        o.zero_grad()
+        m(batch(2, 0)).float().square().mean().backward()
+        o.step()
+        o.zero_grad()
+    assert_same_state(ref, model, opt_ref, opt)
+    opt.close()
+    tieroffload.close(model)
+
+
 @pytest.mark.parametrize("key,value,late", [("lr", 5e-3, 1e-3),
                                            ("betas", (0.8, 0.9), (0.7, 0.8))])
 def test_a_hyperparameter_changed_between_backward_and_step_raises(key, value, late,

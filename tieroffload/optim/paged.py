@@ -662,11 +662,13 @@ class PagedOptimizer(torch.optim.Optimizer):
         del self._ready[i]
         if not self._stepped:
             self._used = self._hyperparameters()
-        self._stepped.add(i)
-        self._stepped_at = self._backwards
         self._sync_groups(chunk, self._used)
         with torch.no_grad():
             self._state_in(chunk)
+            # Stepped from here: a state read that failed (twice, see _wait) changed nothing,
+            # and a backward that raised before the first chunk stepped can be retried.
+            self._stepped.add(i)
+            self._stepped_at = self._backwards
             # the step hooks bring the parameters in and out
             self._writing_own = True  # its own writes to the chunk pass check_write
             try:
@@ -1166,6 +1168,8 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._check_open()
+        self.offload.settle_failed_backward()  # a torn step says so, not "call step()"
+        self._check_torn()
         if self._stepped:
             raise RuntimeError(
                 f'tieroffload: zero_grad() after a backward in which overlap="backward" '
