@@ -1044,3 +1044,35 @@ def test_sparse_embedding_gradients_cannot_go_to_nvme(tmp_path):
     model(torch.tensor([[1, 2, 3]])).sum().backward()
     assert model[0].weight.grad.is_sparse
     tieroffload.close(model)
+
+
+def test_a_budget_without_room_for_a_tied_embedding_through_backward_is_refused_at_offload(
+        tmp_path):
+    """T5's decoder runs its backward before the encoder's: the embedding the two share, used
+    by the decoder on token ids, is held from there to the encoder's embedding, beside every
+    encoder module. A budget short of that failed inside the first backward (MemoryError);
+    it is refused at offload with the numbers, and the budget it names trains as plain T5."""
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                num_heads=2, dropout_rate=0.0, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    ref = transformers.T5ForConditionalGeneration(cfg)
+    shared = ref.shared.weight.numel() * 4
+    need = shared + max(sum(p.numel() * 4 for p in m.parameters(recurse=False))  # no padding:
+                        for m in ref.modules()  # sizes of 64 bytes
+                        if all(p is not ref.shared.weight for p in m.parameters(recurse=False)))
+    with pytest.raises(ValueError, match=rf"cpu_budget={need - 1} bytes .* needs {need} bytes "
+                                         r".* resident at once, with the tied 'shared'"):
+        tieroffload.offload(copy.deepcopy(ref), nvme_policy(tmp_path, cpu_budget=need - 1))
+    frozen = copy.deepcopy(ref).requires_grad_(False)  # inference: nothing held in backward
+    tieroffload.close(tieroffload.offload(frozen, nvme_policy(tmp_path, cpu_budget=need - 1)))
+
+    model = tieroffload.offload(copy.deepcopy(ref), nvme_policy(tmp_path, cpu_budget=need))
+    ids = tokens(1)
+    losses = [m(input_ids=ids, labels=ids).loss for m in (ref, model)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(*losses)
+    assert tieroffload.stats(model)["peak_resident"] <= need
+    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), n
+    tieroffload.close(model)

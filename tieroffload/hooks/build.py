@@ -124,23 +124,40 @@ class UnitBuilder:
         """The sets of units that must be resident at once: a module's, or an FSDP group's."""
         return list(self.module_units.values()) + [[u] for _, u in self.fsdp_units]
 
+    def _tied_trainable(self) -> list[Unit]:
+        """Units whose parameters several modules use (a tied embedding) and require grad. A
+        module whose inputs need no gradient (an embedding of token ids) holds its units in
+        backward until their gradients are whole: a tied one stays from its first use in
+        backward to its last, beside every module whose backward runs between them."""
+        users: dict[int, int] = {}
+        for us in self.module_units.values():
+            for u in us:
+                users[u.id] = users.get(u.id, 0) + 1
+        return [u for u in self.units
+                if users.get(u.id, 0) > 1 and any(p.requires_grad for p in u.params)]
+
     def _check_budget(self, largest: Unit | None) -> int:
         p = self.policy
         budget = p.gpu_budget if self.device.type == "cuda" else p.cpu_budget
         if largest is None:
             return budget or 0
+        tied = self._tied_trainable()
+        sets = [(us, [u for u in tied if u not in us]) for us in self._resident_sets()]
         if budget is None:
             units, nbytes = p.prefetch_window()
             window = nbytes if nbytes is not None else min(units, len(self.units)) * largest.nbytes
-            needs = (sum(u.nbytes for u in us) for us in self._resident_sets())
-            budget = window + 2 * max(needs)
+            budget = window + 2 * max(sum(u.nbytes for u in us + held) for us, held in sets)
         name = "gpu_budget" if self.device.type == "cuda" else "cpu_budget"
-        for us in self._resident_sets():
-            need = sum(u.nbytes for u in us)
+        for us, held in sets:
+            need = sum(u.nbytes for u in us + held)
             if need > budget:
                 mname = ", ".join(u.name for u in us)
+                also = (f", with the tied {', '.join(u.name for u in held)!r} that backward "
+                        "holds until its gradient is whole (model.requires_grad_(False) lifts "
+                        "that for inference)") if held else ""
                 raise ValueError(
                     f"{name}={budget} bytes ({format_bytes(budget)}) is smaller than module "
-                    f"{mname!r}, which needs {need} bytes ({format_bytes(need)}) resident at once")
+                    f"{mname!r}, which needs {need} bytes ({format_bytes(need)}) resident at "
+                    f"once{also}")
         return budget
 
