@@ -22,8 +22,10 @@ class UringBackend : public Backend {
     io_uring_params params{};
     int r = io_uring_queue_init_params(static_cast<unsigned>(queue_depth), &ring_, &params);
     if (r < 0) throw std::system_error(-r, std::generic_category(), "io_uring_queue_init");
+#if defined(IOSQE_ASYNC) && defined(IORING_FEAT_FAST_POLL)
     // IOSQE_ASYNC came in Linux 5.6, FAST_POLL in 5.7: a kernel with the one has the other.
     async_ = (params.features & IORING_FEAT_FAST_POLL) != 0;
+#endif
     reaper_ = std::thread([this] { reap(); });
   }
   ~UringBackend() override {
@@ -75,9 +77,11 @@ class UringBackend : public Backend {
       }
       io_uring_sqe_set_data(sqe, op);
       // Issued from the kernel's io-wq workers, not inline: an inline O_DIRECT submission
-      // sleeps in the block layer while the device queue is full (30 to 75 ms for 32 MiB on a
-      // busy disk), and the thread submitting is the one that computes.
+      // sleeps in the block layer while the device queue is full (30 to 100 ms for 32 MiB on
+      // a busy disk), and the thread submitting is the one that computes.
+#ifdef IOSQE_ASYNC
       if (async_) sqe->flags |= IOSQE_ASYNC;
+#endif
       ++inflight_;
       ++prepared;
     }
