@@ -138,6 +138,8 @@ def disarm():
 def failed():
     return knob("failed").value
 THREADS = IOConfig(backend="threads", block_size=64 << 10)
+# one worker: reads reach the fault shim in the order they were queued
+SERIAL = IOConfig(backend="threads", threads=1, block_size=64 << 10)
 KW = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
 def batch(step):
     g = torch.Generator().manual_seed(1000 + step)
@@ -253,7 +255,7 @@ def test_transient_read_error_then_retry_matches_pytorch(shim, tmp_path, optim, 
         ref = TinyGPT()
         model = tieroffload.offload(copy.deepcopy(ref), Policy(
             params="nvme", optimizer={optim!r}, nvme_dir=os.environ["TMP_DIR"], device="cpu",
-            cpu_budget="80KiB", io=THREADS, grads={grads!r}))
+            cpu_budget="80KiB", io=SERIAL, grads={grads!r}))
         opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **KW)
         opt = tieroffload.optimizer(model, torch.optim.AdamW, overlap={overlap!r}, **KW)
         errors = []
