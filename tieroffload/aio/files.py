@@ -63,13 +63,7 @@ class File:
 
     def __init__(self, path: str | os.PathLike, mode: str = "r", engine: Engine | None = None,
                  direct: bool = True) -> None:
-        if mode not in _MODES:
-            raise ValueError(f"mode must be one of {sorted(_MODES)}, not {mode!r}")
-        self.path = os.fspath(path)
-        self.mode = mode
-        self.engine = engine if engine is not None else default_engine()
-        if self.engine.closed:
-            raise error_for(_errno.EBADF, "the engine is closed", self.path)
+        self._begin(os.fspath(path), mode, engine)
         if os.path.isdir(self.path):  # before O_DIRECT's EINVAL reads as a file-system limit
             raise error_for(_errno.EISDIR, "is a directory, not a file", self.path)
         flags = _MODES[mode] | os.O_CLOEXEC
@@ -89,8 +83,33 @@ class File:
                 self._fd = os.open(self.path, flags, 0o644)
             except OSError as e:
                 raise error_for(e.errno, e.strerror, self.path) from None
-        if self.direct:
-            self.mem_align, self.align = _native.dio_alignment(self._fd)
+        self._adopt(self._fd, self.direct)
+
+    @classmethod
+    def from_fd(cls, fd: int, name: str, mode: str = "r+", engine: Engine | None = None,
+                direct: bool = True) -> File:
+        """A File over ``fd``, a regular file the caller opened (and checked) itself, with
+        O_DIRECT if ``direct``: all I/O goes through that very descriptor, never a reopen by
+        name. Once it returns, the File owns ``fd`` (``close`` closes it); ``name`` names it
+        in errors."""
+        self = cls.__new__(cls)
+        self._begin(name, mode, engine)
+        self._adopt(fd, direct)
+        return self
+
+    def _begin(self, path: str, mode: str, engine: Engine | None) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {sorted(_MODES)}, not {mode!r}")
+        self.path = path
+        self.mode = mode
+        self.engine = engine if engine is not None else default_engine()
+        if self.engine.closed:
+            raise error_for(_errno.EBADF, "the engine is closed", self.path)
+
+    def _adopt(self, fd: int, direct: bool) -> None:
+        self._fd, self.direct = fd, direct
+        if direct:
+            self.mem_align, self.align = _native.dio_alignment(fd)
         else:
             self.mem_align, self.align = 1, 1
         self._inflight = _Inflight()

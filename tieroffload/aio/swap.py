@@ -8,102 +8,73 @@ import fcntl
 import hashlib
 import os
 import stat
+from typing import NamedTuple
 
 from ..utils.dist import rank
 from ..utils.paths import directories
 from ..utils.sizes import format_bytes
-from .engine import Engine
-from .files import StripedFile
-from .files import open as aio_open
+from .engine import Engine, warn_once
+from .files import File, StripedFile
+from .private import (
+    open_directory,
+    open_private,
+    private_folder,
+    rmdir_if_same,
+    same_entry,
+    unlink_if_same,
+)
 
 
-def free_bytes(directory: str) -> int:
+def free_bytes(directory: str | int) -> int:
+    """Bytes free to this user in ``directory`` (a path or a descriptor)."""
     st = os.statvfs(directory)
     return st.f_bavail * st.f_frsize
 
 
-def check_directory(directory: str, what: str = "nvme_dir") -> str:
-    """The absolute path of an existing, writable directory, or a clear error."""
-    path = os.path.abspath(os.fspath(directory))
-    if not os.path.isdir(path):
-        raise FileNotFoundError(errno.ENOENT, f"{what} does not exist or is not a directory", path)
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, f"{what} is not writable", path)
+def check_directory(directory: str | os.PathLike, what: str = "nvme_dir") -> str:
+    """The absolute path of an existing directory this user can write to and others cannot
+    redirect files in (see ``private.open_directory``), or a clear error."""
+    fd, path = open_directory(directory, what)
+    os.close(fd)
     return path
 
 
-def private_folder(directory: str, name: str) -> str:
-    """``directory/name``, made (0700) or checked to be a real directory this user owns and
-    only it can enter. Where another user owns that name, this user gets ``name-uid<uid>``
-    beside it; a symlink there is an error."""
-    uid = os.geteuid()
-    for folder in (os.path.join(directory, name), os.path.join(directory, f"{name}-uid{uid}")):
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:
-            pass
-        st = os.lstat(folder)
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-            raise PermissionError(errno.EPERM, "refusing to use a symlink or non-directory as "
-                                  "the swap folder; remove it", folder)
-        if st.st_uid != uid:
-            continue  # another user's: take our own
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            os.chmod(folder, 0o700)
-        return folder
-    raise PermissionError(errno.EPERM, "the swap folder belongs to another user", folder)
-
-
-def open_private(path: str) -> int:
-    """A descriptor of ``path``, created 0600 if missing; refuses a symlink, a hard link and a
-    file of another user (what could make writes land in someone else's file)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise PermissionError(errno.EPERM, "refusing to follow a symlink planted at the "
-                                  "swap file's path; remove it", path) from None
-        raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
-        os.close(fd)
-        raise PermissionError(errno.EPERM, "refusing a swap file that is not a regular file of "
-                              "this user with one link; remove it", path)
-    return fd
-
-
-def _same_file(fd: int, path: str) -> bool:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    return (st.st_dev, st.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
-
-
-def remove_stale(folder: str) -> None:
+def remove_stale(folder_fd: int) -> None:
     """Removes swap files whose lock no live process holds (left by a process that was
-    killed); a live process's file is locked and left alone."""
-    for name in os.listdir(folder):
+    killed) from the folder open as ``folder_fd``; a live process's file is locked and left
+    alone."""
+    for name in os.listdir(folder_fd):
         if not (name.startswith("tieroffload-") and name.endswith(".swap")):
             continue
-        path = os.path.join(folder, name)
         try:
             # O_NONBLOCK: a FIFO planted under the name must not hang the open.
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                         dir_fd=folder_fd)
         except OSError:
             continue
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pass  # in use
-        else:
-            if os.fstat(fd).st_uid == os.geteuid():
-                os.unlink(path)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # in use
+            unlink_if_same(folder_fd, name, fd)
         finally:
             os.close(fd)
+
+
+class _Claim(NamedTuple):
+    """One directory's swap file: the directory's descriptor, its private folder's descriptor
+    and name in it, the file's name in that folder, and the File over the one descriptor the
+    file was created, checked and locked through."""
+
+    dir_fd: int
+    folder_fd: int
+    folder: str
+    name: str
+    file: File
 
 
 def stable_tag(names: list[str]) -> str:
@@ -124,25 +95,28 @@ class SwapSpace:
     def __init__(self, directory: str | os.PathLike | list | tuple, nbytes: int, tag: str,
                  engine: Engine | None = None, what: str = "nvme_dir") -> None:
         dirs = directories(directory, what)
-        self.directories = [check_directory(d, what) for d in dirs]
-        self.directory = self.directories[0]
         share = -(-nbytes // len(dirs)) + (STRIPE if len(dirs) > 1 else 0)
-        for d in self.directories:
-            free = free_bytes(d)
-            if share > free:
-                raise OSError(errno.ENOSPC, f"{what} has {free} bytes ({format_bytes(free)}) "
-                              f"free; the swap space needs {share} bytes "
-                              f"({format_bytes(share)}) there", d)
-        self._claims: list[tuple[int, str, str]] = []  # (lock fd, path, rank folder)
+        self._claims: list[_Claim] = []
+        self.directories: list[str] = []
         try:
-            files = []
-            for d in self.directories:
-                fd, path, folder = self._claim(d, tag)
-                self._claims.append((fd, path, folder))
-                os.ftruncate(fd, 0)
-                files.append(aio_open(path, "r+", engine=engine))
-            self.path = self._claims[0][1]
-            self.paths = [c[1] for c in self._claims]
+            for d in dirs:
+                dir_fd, path = open_directory(d, what)
+                try:
+                    free = free_bytes(dir_fd)
+                    if share > free:
+                        raise OSError(errno.ENOSPC, f"{what} has {free} bytes "
+                                      f"({format_bytes(free)}) free; the swap space needs "
+                                      f"{share} bytes ({format_bytes(share)}) there", path)
+                    claim = self._claim(dir_fd, path, tag, engine)
+                except BaseException:
+                    os.close(dir_fd)
+                    raise
+                self._claims.append(claim)
+                self.directories.append(path)
+            self.directory = self.directories[0]
+            files = [c.file for c in self._claims]
+            self.path = files[0].path
+            self.paths = [f.path for f in files]
             self.file = files[0] if len(files) == 1 else StripedFile(files, STRIPE)
             self.align = max(4096, self.file.align)
             self.capacity = self._round(nbytes)
@@ -153,26 +127,44 @@ class SwapSpace:
             raise
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # sorted (offset, length)
 
-    def _claim(self, directory: str, tag: str) -> tuple[int, str, str]:
-        """Opens and locks the first free name: rank<r>/tieroffload-<tag>-rank<r>[-<n>].swap,
-        in a folder this user owns (0700). A symlink or a file that is not ours is refused,
-        never followed; swap files of processes that died (their lock is free) are removed."""
+    def _claim(self, dir_fd: int, directory: str, tag: str, engine: Engine | None) -> _Claim:
+        """Creates (or takes over) and locks the first free name,
+        rank<r>/tieroffload-<tag>-rank<r>[-<n>].swap, in a folder this user owns (0700), each
+        opened relative to its parent's descriptor: a symlink or a file that is not ours is
+        refused, never followed, and the descriptor checked is the one the engine uses. Swap
+        files of processes that died (their lock is free) are removed."""
         r = rank()
-        folder = private_folder(directory, f"rank{r}")
-        remove_stale(folder)
-        for n in range(1000):
-            suffix = f"-{n}" if n else ""
-            path = os.path.join(folder, f"tieroffload-{tag}-rank{r}{suffix}.swap")
-            fd = open_private(path)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)  # another live process owns this one
-                continue
-            if _same_file(fd, path):
-                return fd, path, folder
-            os.close(fd)  # removed as stale between our open and our lock: take another name
-        raise OSError(errno.EEXIST, "no free swap file name", folder)
+        folder_fd, folder, fname = private_folder(dir_fd, directory, f"rank{r}")
+        try:
+            remove_stale(folder_fd)
+            for n in range(1000):
+                name = f"tieroffload-{tag}-rank{r}{f'-{n}' if n else ''}.swap"
+                path = os.path.join(folder, name)
+                fd, direct = open_private(folder_fd, name, path)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)  # another live process owns this one
+                    continue
+                if not same_entry(folder_fd, name, fd):
+                    os.close(fd)  # removed as stale between our open and our lock: another
+                    continue
+                try:
+                    os.ftruncate(fd, 0)
+                    if not direct:
+                        warn_once(f"nodirect:{folder}", f"{path}: the file system refuses "
+                                  "O_DIRECT; using buffered I/O for files there")
+                    return _Claim(dir_fd, folder_fd, fname, name,
+                                  File.from_fd(fd, path, "r+", engine, direct))
+                except BaseException:
+                    unlink_if_same(folder_fd, name, fd)
+                    os.close(fd)
+                    raise
+            raise OSError(errno.EEXIST, "no free swap file name", folder)
+        except BaseException:
+            rmdir_if_same(dir_fd, fname, folder_fd)
+            os.close(folder_fd)
+            raise
 
     def _round(self, n: int) -> int:
         return -(-n // self.align) * self.align
@@ -194,9 +186,9 @@ class SwapSpace:
             grow = need - length
         else:
             off = self.capacity
-        share = -(-grow // len(self.directories)) + (STRIPE if len(self.directories) > 1 else 0)
-        for d, path in zip(self.directories, self.paths):
-            free = free_bytes(d)
+        share = -(-grow // len(self._claims)) + (STRIPE if len(self._claims) > 1 else 0)
+        for c in self._claims:
+            free, path = free_bytes(c.dir_fd), c.file.path
             if share > free:
                 if off != self.capacity:
                     self._free.append((off, self.capacity - off))
@@ -231,21 +223,17 @@ class SwapSpace:
         self._free = merged
 
     def close(self) -> None:
-        """Closes and deletes the swap files (and the rank folders they leave empty)."""
-        if not self._claims:
-            return
-        self.file.close()
+        """Deletes and closes the swap files (and the rank folders they leave empty)."""
         self._remove()
 
     def _remove(self) -> None:
-        for fd, path, folder in self._claims:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-            try:
-                os.rmdir(folder)
-            except OSError:
-                pass  # another rank's or process's file is still there
+        # Unlinked while still open and locked: a process that takes the name next cannot
+        # have its file removed by us.
+        for c in self._claims:
+            unlink_if_same(c.folder_fd, c.name, c.file.fileno())
+        for c in self._claims:
+            c.file.close()
+            rmdir_if_same(c.dir_fd, c.folder, c.folder_fd)
+            os.close(c.folder_fd)
+            os.close(c.dir_fd)
         self._claims = []

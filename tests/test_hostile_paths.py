@@ -1,0 +1,170 @@
+"""Swap files and weights reached only through checked descriptors: another user who can write to
+a folder cannot redirect swap writes, and load_weights reads only regular files in its folder."""
+
+import errno
+import fcntl
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from tieroffload.aio import aligned_empty
+from tieroffload.aio.private import ALLOW_SHARED_ENV
+from tieroffload.aio.swap import SwapSpace
+
+TAG = "race"
+FS_CALLS = ("open", "mkdir", "stat", "lstat", "listdir", "fstat", "ftruncate", "unlink", "rmdir")
+
+
+def fs_calls_hooked(monkeypatch, after_call):
+    """Wraps os's file-system calls (and flock) so that ``after_call(k)`` runs after the k-th
+    one returns: a deterministic stand-in for another process acting at that moment."""
+    count = [0]
+
+    def wrap(fn):
+        def hooked(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            count[0] += 1
+            after_call(count[0])
+            return out
+        return hooked
+
+    for name in FS_CALLS:
+        monkeypatch.setattr(os, name, wrap(getattr(os, name)))
+    monkeypatch.setattr(fcntl, "flock", wrap(fcntl.flock))
+    return count
+
+
+def calls_to_make_a_swap(tmp_path, monkeypatch):
+    nvme = tmp_path / "count"
+    nvme.mkdir()
+    with monkeypatch.context() as m:
+        count = fs_calls_hooked(m, lambda k: None)
+        SwapSpace(str(nvme), 8192, TAG).close()
+    return count[0]
+
+
+def test_swap_writes_never_follow_a_rank_folder_swapped_for_a_symlink(tmp_path, monkeypatch):
+    """Another user renames the private rank0/ folder and puts a symlink to their own folder (in
+    which symlinks named as the swap files point at a victim file) in its place, after each
+    file-system call of the swap file's creation in turn: the victim keeps its bytes, nothing
+    is made in the attacker's folder, and the swap bytes land in the folder that was checked
+    (or the creation is refused)."""
+    victim_bytes = b"root's file\n" * 500
+    for k in range(1, calls_to_make_a_swap(tmp_path, monkeypatch) + 1):
+        root = tmp_path / f"k{k}"
+        nvme, attacker, victim = root / "nvme", root / "attacker", root / "victim"
+        for d in (nvme, attacker):
+            d.mkdir(parents=True)
+        victim.write_bytes(victim_bytes)
+        for suffix in ("", "-1", "-2"):
+            os.symlink(victim, attacker / f"tieroffload-{TAG}-rank0{suffix}.swap")
+        planted = sorted(os.listdir(attacker))
+
+        def attack(n, k=k, nvme=nvme, attacker=attacker):
+            if n == k:
+                try:
+                    os.rename(nvme / "rank0", nvme / "moved")
+                except FileNotFoundError:
+                    pass  # not made yet: the symlink is there first
+                os.symlink(attacker, nvme / "rank0")
+
+        with monkeypatch.context() as m:
+            fs_calls_hooked(m, attack)
+            try:
+                swap = SwapSpace(str(nvme), 8192, TAG)
+            except PermissionError as e:
+                assert "symlink" in str(e), e
+                swap = None
+        if swap is not None:
+            data = np.random.default_rng(k).integers(0, 256, 8192, dtype=np.uint8)
+            buf = aligned_empty(8192, pin=False)
+            buf.numpy()[:] = data
+            off = swap.alloc(8192)
+            assert swap.file.pwrite(buf, off).result() == 8192
+            swap.file.sync()
+            assert victim.read_bytes() == victim_bytes, f"attack after call {k}: victim written"
+            used = os.fstat(swap.file.fileno())
+            real = next((nvme / d / f for d in os.listdir(nvme) if not os.path.islink(nvme / d)
+                         for f in os.listdir(nvme / d)), None)
+            assert real is not None, f"attack after call {k}: no swap file in our folder"
+            assert (os.stat(real).st_dev, os.stat(real).st_ino) == (used.st_dev, used.st_ino)
+            assert real.read_bytes()[off:off + 8192] == data.tobytes()
+            swap.close()
+        assert victim.read_bytes() == victim_bytes, f"attack after call {k}: victim overwritten"
+        assert sorted(os.listdir(attacker)) == planted, \
+            f"attack after call {k}: files made in the attacker's folder"
+
+
+def test_swap_engine_uses_the_descriptor_that_was_checked(tmp_path, monkeypatch):
+    """The swap file is opened once, by name relative to its folder: the engine's descriptor is
+    that one (the same inode as the file at the swap path), never a second open by path."""
+    opened: list[int] = []
+    real_open = os.open
+
+    def recording_open(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        if os.fspath(path).endswith(".swap") and flags & os.O_RDWR:
+            assert flags & os.O_NOFOLLOW, f"{path} opened without O_NOFOLLOW"
+            opened.append(fd)
+        return fd
+
+    monkeypatch.setattr(os, "open", recording_open)
+    swap = SwapSpace(str(tmp_path), 4096, TAG)
+    monkeypatch.undo()
+    try:
+        assert opened == [swap.file.fileno()], "the swap file was opened more than once"
+        st, at = os.fstat(swap.file.fileno()), os.stat(swap.path, follow_symlinks=False)
+        assert stat.S_ISREG(at.st_mode) and (st.st_dev, st.st_ino) == (at.st_dev, at.st_ino)
+    finally:
+        swap.close()
+    assert not os.path.exists(swap.path)
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o757])
+def test_a_shared_nvme_dir_without_the_sticky_bit_is_refused(tmp_path, mode):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, mode)
+    with pytest.raises(PermissionError) as e:
+        SwapSpace(str(shared), 4096, TAG)
+    msg = str(e.value)
+    assert e.value.errno == errno.EPERM and "\n" not in msg
+    assert str(shared) in msg and f"{mode:04o}" in msg and "chmod +t" in msg
+    assert ALLOW_SHARED_ENV in msg
+    assert os.listdir(shared) == [], "made something in the refused folder"
+
+
+def test_a_sticky_shared_nvme_dir_is_accepted(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    swap = SwapSpace(str(shared), 4096, TAG)
+    swap.close()
+    assert os.listdir(shared) == []
+
+
+def test_a_shared_nvme_dir_is_accepted_when_the_user_opts_out(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    monkeypatch.setenv(ALLOW_SHARED_ENV, "1")
+    swap = SwapSpace(str(shared), 4096, TAG)
+    swap.close()
+    assert os.listdir(shared) == []
+
+
+def test_offload_refuses_a_shared_nvme_dir_in_one_line(tmp_path):
+    import torch
+
+    import tieroffload
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(PermissionError, match="no sticky bit") as e:
+        tieroffload.offload(model, tieroffload.Policy(params="nvme", nvme_dir=str(shared),
+                                                      device="cpu"))
+    assert "\n" not in str(e.value) and str(shared) in str(e.value)
