@@ -5,6 +5,7 @@ import errno
 import fcntl
 import os
 import stat
+import threading
 
 import numpy as np
 import pytest
@@ -168,3 +169,21 @@ def test_offload_refuses_a_shared_nvme_dir_in_one_line(tmp_path):
         tieroffload.offload(model, tieroffload.Policy(params="nvme", nvme_dir=str(shared),
                                                       device="cpu"))
     assert "\n" not in str(e.value) and str(shared) in str(e.value)
+
+
+def test_disk_measurement_files_never_follow_a_planted_symlink(tmp_path):
+    """The throughput probe's file name is predictable: a symlink planted there is refused,
+    and the file it points at keeps its bytes."""
+    from tieroffload.aio.config import IOConfig
+    from tieroffload.aio.throughput import bench_paths, run_files
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me\n" * 100)
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    os.symlink(victim, bench_paths([str(nvme)], "t", 0)[0])
+    task = {"dirs": [str(nvme)], "direct": [False], "size": 1 << 20,
+            "io": IOConfig().to_dict(), "tag": "t"}
+    with pytest.raises(PermissionError, match="symlink"):
+        run_files(0, threading.Barrier(1), task)
+    assert victim.read_bytes() == b"keep me\n" * 100

@@ -13,6 +13,9 @@ import errno
 import os
 import stat
 
+from .engine import Engine, warn_once
+from .files import File
+
 ALLOW_SHARED_ENV = "TIEROFFLOAD_ALLOW_SHARED_DIR"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
@@ -84,21 +87,22 @@ def private_folder(parent_fd: int, parent: str, name: str) -> tuple[int, str, st
     raise PermissionError(errno.EPERM, "the swap folder belongs to another user", path)
 
 
-def open_private(folder_fd: int, name: str, path: str, direct: bool = True,
-                 exclusive: bool = False) -> tuple[int, bool]:
+def open_private(folder_fd: int, name: str, path: str, direct: bool = True) -> tuple[int, bool]:
     """(descriptor, O_DIRECT or not) of ``name`` in the folder, opened read-write, created 0600
-    if missing (``exclusive``: it must not exist); refuses a symlink, a hard link and a file of
-    another user (what could make writes land in someone else's file). O_DIRECT where the file
-    system takes it, else buffered. ``path`` names it in errors."""
-    flags = os.O_RDWR | os.O_CREAT | (os.O_EXCL if exclusive else 0)
+    if missing; refuses a symlink, a hard link and a file of another user (what could make
+    writes land in someone else's file). O_DIRECT where the file system takes it, else
+    buffered (logged once per folder). ``path`` names it in errors."""
+    flags = os.O_RDWR | os.O_CREAT
     try:
         try:
             fd = _open_below(folder_fd, name, flags | (os.O_DIRECT if direct else 0))
         except OSError as e:
             if not direct or e.errno != errno.EINVAL:
                 raise
-            direct = False  # the file system refuses O_DIRECT (it may have made the file:
-            fd = _open_below(folder_fd, name, flags & ~os.O_EXCL)  # the checks below hold)
+            direct = False
+            warn_once(f"nodirect:{os.path.dirname(path)}", f"{path}: the file system refuses "
+                      "O_DIRECT; using buffered I/O for files there")
+            fd = _open_below(folder_fd, name, flags)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise PermissionError(errno.EPERM, "refusing to follow a symlink planted at the "
@@ -138,3 +142,40 @@ def rmdir_if_same(parent_fd: int, name: str, fd: int) -> None:
             os.rmdir(name, dir_fd=parent_fd)
         except OSError:
             pass  # another rank's or process's file is still there
+
+
+class ScratchFile(File):
+    """A file made for a measurement in a directory checked as the swap's is, through the
+    directory's descriptor (0600, never following a symlink, a file left by an earlier run
+    truncated); ``close`` removes it."""
+
+    _dir_fd: int
+    _name: str
+
+    @classmethod
+    def create(cls, directory: str | os.PathLike, name: str, engine: Engine | None = None,
+               direct: bool = True, what: str = "nvme_dir") -> ScratchFile:
+        dir_fd, where = open_directory(directory, what)
+        path = os.path.join(where, name)
+        try:
+            fd, direct = open_private(dir_fd, name, path, direct)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        try:
+            os.ftruncate(fd, 0)
+            f = cls.from_fd(fd, path, "r+", engine, direct)
+        except BaseException:
+            unlink_if_same(dir_fd, name, fd)
+            os.close(fd)
+            os.close(dir_fd)
+            raise
+        f._dir_fd, f._name = dir_fd, name
+        return f
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        unlink_if_same(self._dir_fd, self._name, self.fileno())
+        super().close()
+        os.close(self._dir_fd)

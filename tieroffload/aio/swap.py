@@ -13,7 +13,7 @@ from typing import NamedTuple
 from ..utils.dist import rank
 from ..utils.paths import directories
 from ..utils.sizes import format_bytes
-from .engine import Engine, warn_once
+from .engine import Engine
 from .files import File, StripedFile
 from .private import (
     open_directory,
@@ -151,9 +151,6 @@ class SwapSpace:
                     continue
                 try:
                     os.ftruncate(fd, 0)
-                    if not direct:
-                        warn_once(f"nodirect:{folder}", f"{path}: the file system refuses "
-                                  "O_DIRECT; using buffered I/O for files there")
                     return _Claim(dir_fd, folder_fd, fname, name,
                                   File.from_fd(fd, path, "r+", engine, direct))
                 except BaseException:

@@ -17,7 +17,7 @@ from . import swap
 from .buffers import aligned_empty
 from .config import IOConfig
 from .files import StripedFile
-from .files import open as aio_open
+from .private import ScratchFile
 
 MiB = 1 << 20
 # Requests of this size, from buffers reused in turn, enough in flight that the engine's own
@@ -53,14 +53,15 @@ def run_files(rank: int, barrier: Any, task: dict[str, Any]) -> dict[str, Any]:
     """One process's part of an aggregate measurement: its own engine and files (striped when
     there are several directories, as ``SwapSpace`` does), filled once unmeasured (first writes
     convert extents), then a timed write and, after the page cache is dropped, a timed read, both
-    started together with the other processes. The files are removed whatever happens."""
+    started together with the other processes. The files are made through each directory's
+    checked descriptor, as swap files are, and removed whatever happens."""
     directories, size = task["dirs"], task["size"]
     paths = bench_paths(directories, task["tag"], rank)
     files: list = []
     eng = IOConfig.from_dict(task["io"]).engine()
     try:
-        for path, direct in zip(paths, task["direct"]):
-            files.append(aio_open(path, "w+", engine=eng, direct=direct))
+        for d, path, direct in zip(directories, paths, task["direct"]):
+            files.append(ScratchFile.create(d, os.path.basename(path), eng, direct))
         f = files[0] if len(files) == 1 else StripedFile(files, swap.STRIPE)
         f.allocate(size)
         # Not pinned: pinning does not change disk I/O and would start CUDA in every process.
@@ -78,13 +79,8 @@ def run_files(rank: int, barrier: Any, task: dict[str, Any]) -> dict[str, Any]:
         return {"write": write, "read": read, "cold": cold}
     finally:
         for fi in files:
-            fi.close()
+            fi.close()  # removes it
         eng.close()
-        for path in paths:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
 
 
 def disk_gbps(directories: str | list[str], size: int = 256 * MiB,

@@ -14,6 +14,7 @@ import torch
 
 from .. import aio
 from ..aio.config import IOConfig
+from ..aio.private import ScratchFile
 from ..aio.swap import check_directory
 from ..aio.throughput import disk_gbps
 from ..utils import memory
@@ -77,7 +78,6 @@ def io_cost(directory: str, io: IOConfig | None = None, chunk: int = 16 << 20,
     """Seconds of compute lost per byte that NVMe traffic moves while compute runs: a matmul
     loop is timed alone and then against a stream of writes and reads of fresh page-aligned
     buffers, the way offload's traffic looks (staging copies, page faults, the I/O itself)."""
-    path = os.path.join(directory, f"tieroffload-probe-{os.getpid()}.bin")
     src = torch.ones(chunk, dtype=torch.uint8)
     a = torch.randn(768, 768)
 
@@ -93,32 +93,29 @@ def io_cost(directory: str, io: IOConfig | None = None, chunk: int = 16 << 20,
     alone = min(compute(k) for _ in range(2))
     moved = [0]
     stop = threading.Event()
-    try:
-        with (io or IOConfig()).engine() as eng, aio.open(path, "w+", engine=eng) as f:
-            f.allocate(span)
+    name = f"tieroffload-probe-{os.getpid()}.bin"
+    with (io or IOConfig()).engine() as eng, ScratchFile.create(directory, name, eng) as f:
+        f.allocate(span)
 
-            def traffic() -> None:
-                off = 0
-                while not stop.is_set():
-                    b = aio.aligned_empty(chunk, pin=False)
-                    b.copy_(src)
-                    f.pwrite(b, off).result()
-                    b = aio.aligned_empty(chunk, pin=False)
-                    f.pread(b, (off + span // 2) % span).result()
-                    moved[0] += 2 * chunk
-                    off = (off + chunk) % span
+        def traffic() -> None:
+            off = 0
+            while not stop.is_set():
+                b = aio.aligned_empty(chunk, pin=False)
+                b.copy_(src)
+                f.pwrite(b, off).result()
+                b = aio.aligned_empty(chunk, pin=False)
+                f.pread(b, (off + span // 2) % span).result()
+                moved[0] += 2 * chunk
+                off = (off + chunk) % span
 
-            th = threading.Thread(target=traffic, daemon=True)
-            th.start()
-            time.sleep(0.05)
-            m0 = moved[0]
-            both = compute(k)
-            m1 = moved[0]
-            stop.set()
-            th.join()
-    finally:
-        if os.path.exists(path):
-            os.remove(path)
+        th = threading.Thread(target=traffic, daemon=True)
+        th.start()
+        time.sleep(0.05)
+        m0 = moved[0]
+        both = compute(k)
+        m1 = moved[0]
+        stop.set()
+        th.join()
     return max(both - alone, 0.0) / max(m1 - m0, 1)
 
 
