@@ -187,3 +187,118 @@ def test_disk_measurement_files_never_follow_a_planted_symlink(tmp_path):
     with pytest.raises(PermissionError, match="symlink"):
         run_files(0, threading.Barrier(1), task)
     assert victim.read_bytes() == b"keep me\n" * 100
+
+
+# -- load_weights reads only regular files inside its folder ----------------------------------
+
+def _offloaded_linear():
+    import torch
+
+    import tieroffload
+
+    torch.manual_seed(0)
+    return tieroffload.offload(torch.nn.Linear(4, 4), tieroffload.Policy(device="cpu"))
+
+
+def _weights_of(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _write_outside(tmp_path):
+    """Weights that fit the model, in a folder beside the one load_weights is given."""
+    import torch
+    from safetensors.torch import save_file
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    save_file({"weight": torch.full((4, 4), 7.0), "bias": torch.full((4,), 7.0)},
+              str(outside / "x.safetensors"))
+    return outside / "x.safetensors"
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute"])
+def test_load_weights_refuses_an_index_naming_a_shard_outside_its_folder(tmp_path, how):
+    import json
+
+    import tieroffload
+
+    target = _write_outside(tmp_path)
+    entry = "../outside/x.safetensors" if how == "dotdot" else str(target)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"weight": entry, "bias": entry}}))
+    model = _offloaded_linear()
+    before = _weights_of(model)
+    for source in (folder, folder / "model.safetensors.index.json"):
+        with pytest.raises(ValueError) as e:
+            tieroffload.load_weights(model, source)
+        msg = str(e.value)
+        assert "\n" not in msg and repr(entry) in msg and str(folder) in msg, msg
+    after = _weights_of(model)
+    assert all((before[k] == after[k]).all() for k in before), "weights read from outside"
+    tieroffload.close(model)
+
+
+def test_load_weights_refuses_a_symlinked_shard_in_its_folder(tmp_path):
+    import tieroffload
+
+    target = _write_outside(tmp_path)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    os.symlink(target, folder / "model.safetensors")
+    model = _offloaded_linear()
+    before = _weights_of(model)
+    with pytest.raises(ValueError, match="symlink") as e:
+        tieroffload.load_weights(model, folder)
+    assert str(folder / "model.safetensors") in str(e.value)
+    after = _weights_of(model)
+    assert all((before[k] == after[k]).all() for k in before)
+    tieroffload.close(model)
+
+
+FIFO_LOADER = """
+import sys, torch, tieroffload
+m = tieroffload.offload(torch.nn.Linear(4, 4), tieroffload.Policy(device="cpu"))
+try:
+    tieroffload.load_weights(m, sys.argv[1])
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("how", ["folder", "index", "file"])
+def test_load_weights_refuses_a_fifo_named_as_a_shard_at_once(tmp_path, how):
+    """A FIFO where a shard should be is refused at once, never opened for a read that waits
+    for a writer (which no signal interrupts)."""
+    import json
+    import subprocess
+    import sys
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    os.mkfifo(folder / "model.safetensors")
+    if how == "index":
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"weight": "model.safetensors"}}))
+    source = {"folder": folder, "index": folder / "model.safetensors.index.json",
+              "file": folder / "model.safetensors"}[how]
+    try:
+        r = subprocess.run([sys.executable, "-c", FIFO_LOADER, str(source)],
+                           capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("load_weights hung on a FIFO")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("refused:") and "not a regular file" in r.stdout, r.stdout
+    assert str(folder / "model.safetensors") in r.stdout
+
+
+@pytest.mark.parametrize("source", [5, None, b"w.safetensors", [1, 2]])
+def test_load_weights_of_something_not_a_path_is_a_one_line_type_error(source):
+    import tieroffload
+
+    model = _offloaded_linear()
+    with pytest.raises(TypeError, match="load_weights: source must be") as e:
+        tieroffload.load_weights(model, source)
+    assert type(source).__name__ in str(e.value) and "\n" not in str(e.value)
+    tieroffload.close(model)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+import reprlib
+import stat
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,34 +23,127 @@ from .state import OffloadState, _state
 Source = str | os.PathLike | dict[str, torch.Tensor] | Sequence[str | os.PathLike]
 
 
-def shard_files(source: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
-    """The safetensors files of ``source``: a file, a directory (its
-    ``*.safetensors.index.json`` when it has one, else every ``*.safetensors`` in it), an
-    index file (the shards its ``weight_map`` names) or a list of files."""
+@dataclass(frozen=True)
+class Shard:
+    """A safetensors file to read: ``name`` in the folder open as ``folder_fd`` (found there or
+    named by its index: never a symlink, never outside it), or, with ``folder_fd`` None, a path
+    the user named (followed as given). Either way only a regular file is read."""
+
+    folder_fd: int | None
+    name: str
+    path: Path
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def open(self) -> int:
+        """A descriptor of the file, checked to be a regular file; O_NONBLOCK so that a FIFO
+        fails here at once instead of hanging the open."""
+        return _open_regular(self.folder_fd, self.name, self.path, "shard")
+
+
+def _open_regular(folder_fd: int | None, name: str, path: Path, what: str) -> int:
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+    if folder_fd is not None:
+        flags |= os.O_NOFOLLOW
+    try:
+        fd = os.open(name, flags, dir_fd=folder_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP and folder_fd is not None:
+            raise ValueError(f"load_weights: {what} {path} is a symlink; only regular files "
+                             "inside the folder are read (pass the file itself)") from None
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"load_weights: {what} {path} is not a regular file (a FIFO, a device "
+                         "or a folder); refusing to read it")
+    return fd
+
+
+@contextmanager
+def _safe_open(shard: Shard) -> Iterator[Any]:
+    """safetensors' reader over the very file ``shard.open`` checked (through /proc/self/fd,
+    which names that open file, not a path that could be swapped)."""
+    from safetensors import safe_open
+
+    fd = shard.open()
+    try:
+        with safe_open(f"/proc/self/fd/{fd}", framework="pt", device="cpu") as h:
+            yield h
+    finally:
+        os.close(fd)
+
+
+def _index_shards(folder_fd: int, folder: Path, index: Path, fd: int) -> list[Shard]:
+    """The shards the index open as ``fd`` names: plain file names beside it, each once."""
+    with os.fdopen(fd) as f:
+        try:
+            weight_map = json.load(f).get("weight_map")
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"load_weights: {index} is not a safetensors index "
+                             f"({type(e).__name__}: {e})".splitlines()[0]) from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"load_weights: {index} has no weight_map")
+    shards = []
+    for name in dict.fromkeys(weight_map.values()):
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name \
+                or "\0" in name:
+            raise ValueError(f"load_weights: {index} names the shard {name!r}, which is not a "
+                             f"file in {folder}; an index may name only files beside it")
+        shards.append(Shard(folder_fd, name, folder / name))
+    return shards
+
+
+def shard_files(source: str | os.PathLike | Sequence[str | os.PathLike]
+                ) -> tuple[list[Shard], int | None]:
+    """The safetensors files of ``source`` and the descriptor of the folder they are read
+    from (the caller closes it): a file, a directory (its ``*.safetensors.index.json`` when it
+    has one, else every ``*.safetensors`` in it), an index file (the shards its ``weight_map``
+    names, which must be files beside it) or a list of files."""
     if not isinstance(source, (str, os.PathLike)):
-        files = [Path(f) for f in source]
+        files = [Shard(None, os.fspath(f), Path(f)) for f in source]
         if not files:
             raise ValueError("load_weights: the list of safetensors files is empty")
-        return files
+        return files, None
     path = Path(source)
-    if path.is_dir():
-        index = sorted(path.glob("*.safetensors.index.json"))
-        if len(index) > 1:
-            raise ValueError(f"load_weights: {path} has {len(index)} index files "
-                             f"({', '.join(i.name for i in index)}); pass the one to load")
-        if index:
-            return shard_files(index[0])
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"load_weights: {path} holds no *.safetensors file")
-        return files
-    if path.suffix == ".json":
-        with open(path) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"load_weights: {path} has no weight_map")
-        return [path.parent / name for name in dict.fromkeys(weight_map.values())]
-    return [path]
+    if not path.is_dir() and path.suffix != ".json":
+        return [Shard(None, os.fspath(path), path)], None
+    folder = path if path.is_dir() else path.parent
+    folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if path.is_dir():
+            names = sorted(os.listdir(folder_fd))
+            index = [n for n in names if n.endswith(".safetensors.index.json")]
+            if len(index) > 1:
+                raise ValueError(f"load_weights: {path} has {len(index)} index files "
+                                 f"({', '.join(index)}); pass the one to load")
+            if index:
+                fd = _open_regular(folder_fd, index[0], path / index[0], "index")
+                return _index_shards(folder_fd, folder, path / index[0], fd), folder_fd
+            files = [Shard(folder_fd, n, path / n) for n in names
+                     if n.endswith(".safetensors") and not n.startswith(".")]
+            if not files:
+                raise FileNotFoundError(f"load_weights: {path} holds no *.safetensors file")
+            return files, folder_fd
+        fd = _open_regular(None, os.fspath(path), path, "index")
+        return _index_shards(folder_fd, folder, path, fd), folder_fd
+    except BaseException:
+        os.close(folder_fd)
+        raise
+
+
+def _checked_source(source: Any) -> Source:
+    """``source`` (an iterable of files as a list), or a one-line TypeError unless it is
+    something ``load_weights`` reads."""
+    if isinstance(source, (str, os.PathLike, dict)):
+        return source
+    files = list(source) if isinstance(source, Iterable) and \
+        not isinstance(source, (bytes, bytearray)) else None
+    if files is None or not all(isinstance(f, (str, os.PathLike)) for f in files):
+        raise TypeError(f"load_weights: source must be a safetensors file, a folder, an index, "
+                        f"a list of files or a state dict, not {type(source).__name__} "
+                        f"({reprlib.repr(source)})")
+    return files
 
 
 def load_weights(model: nn.Module, source: Source, strict: bool = True) -> None:
@@ -52,8 +151,20 @@ def load_weights(model: nn.Module, source: Source, strict: bool = True) -> None:
     shards) or a state dict, streamed one shard and one unit at a time into the tiers, so a
     model larger than RAM can be filled. A tied parameter loads under any of its names.
     Non-persistent buffers of a model built on the meta device are computed (a Hugging Face
-    model's ``_init_weights``: rotary frequencies, position ids)."""
+    model's ``_init_weights``: rotary frequencies, position ids). Only regular files are read,
+    and from a folder or an index only files in that folder, never through a symlink."""
+    source = _checked_source(source)
     s = _state(model)
+    shards, folder_fd = ([], None) if isinstance(source, dict) else shard_files(source)
+    try:
+        _load(model, s, source, shards, strict)
+    finally:
+        if folder_fd is not None:
+            os.close(folder_fd)
+
+
+def _load(model: nn.Module, s: OffloadState, source: Source, shards: list[Shard],
+          strict: bool) -> None:
     names = _aliases(model)
     shapes: dict[str, tuple[int, ...]] = {}  # of every key, from the headers
     if isinstance(source, dict):
@@ -62,12 +173,10 @@ def load_weights(model: nn.Module, source: Source, strict: bool = True) -> None:
         # values are not tensors) has each one's shape checked as it is read instead.
         shapes = {k: tuple(v.shape) for k, v in source.items() if isinstance(v, torch.Tensor)}
     else:
-        from safetensors import safe_open
-
         plan = []
-        seen: dict[str, Path] = {}
-        for f in shard_files(source):
-            with safe_open(os.fspath(f), framework="pt", device="cpu") as h:
+        seen: dict[str, Shard] = {}
+        for f in shards:
+            with _safe_open(f) as h:
                 keys = set(h.keys())
                 shapes.update((k, tuple(h.get_slice(k).get_shape())) for k in keys)
             for k in keys & seen.keys():
@@ -98,7 +207,7 @@ def load_weights(model: nn.Module, source: Source, strict: bool = True) -> None:
         if f is None:
             _load_from(s, names, keys, source.__getitem__)
             continue
-        with safe_open(os.fspath(f), framework="pt", device="cpu") as h:  # one shard at a time
+        with _safe_open(f) as h:  # one shard at a time
             _load_from(s, names, keys, h.get_tensor)
     _meta_buffers(model, s.device, plan, source if isinstance(source, dict) else None)
 
@@ -130,7 +239,8 @@ def _load_from(s: OffloadState, names: dict[int, set[str]], keys: set[str],
             s.wrote(u)
 
 
-def _meta_buffers(model: nn.Module, device: torch.device, plan: list[tuple[Path | None, set[str]]],
+def _meta_buffers(model: nn.Module, device: torch.device,
+                  plan: list[tuple[Shard | None, set[str]]],
                   state_dict: dict[str, torch.Tensor] | None) -> None:
     """Gives the buffers still on the meta device their values: from the weights where they
     are there, else computed by a Hugging Face model's ``_init_weights``; raises naming one
@@ -149,9 +259,7 @@ def _meta_buffers(model: nn.Module, device: torch.device, plan: list[tuple[Path 
             if where is None:
                 t.copy_(state_dict[name])
             else:
-                from safetensors import safe_open
-
-                with safe_open(os.fspath(where), framework="pt", device="cpu") as h:
+                with _safe_open(where) as h:
                     t.copy_(h.get_tensor(name))
             module._buffers[k] = t
     init = getattr(model, "_init_weights", None)
