@@ -423,3 +423,47 @@ def test_io_uring_blocked_by_seccomp_falls_back():
     assert lines[0] == "['threads']"
     assert sum("io_uring is unavailable" in line and "EPERM" in line for line in lines) == 1
     assert lines[-1] == "threads threads"
+
+
+def test_aligned_empty_takes_a_size_string():
+    buf = aio.aligned_empty("1M", pin=False)
+    assert buf.numel() == 1 << 20 and buf.data_ptr() % ALIGN == 0
+    assert aio.aligned_empty("8KiB", pin=False).numel() == 8192
+
+
+@pytest.mark.parametrize("nbytes, err", [("1Q", ValueError), (None, TypeError),
+                                         (1.5, TypeError), (True, TypeError), (-1, ValueError)])
+def test_aligned_empty_refuses_what_is_not_a_size_naming_it(nbytes, err):
+    with pytest.raises(err, match="aligned_empty: nbytes") as e:
+        aio.aligned_empty(nbytes, pin=False)
+    assert "\n" not in str(e.value) and repr(nbytes).strip("'") in str(e.value)
+
+
+@pytest.mark.parametrize("d", [[], "auto", 3, {"recommended": []}])
+def test_io_config_from_dict_of_a_non_dict_is_a_type_error_naming_what_it_needs(d):
+    from tieroffload.aio.config import IOConfig
+
+    with pytest.raises(TypeError, match="IOConfig.from_dict needs a dict of I/O settings") as e:
+        IOConfig.from_dict(d)
+    assert "\n" not in str(e.value)
+
+
+def test_io_config_from_json_names_the_file_and_where_it_is_not_json(tmp_path):
+    from tieroffload.aio.config import IOConfig
+
+    path = tmp_path / "io.json"
+    path.write_text('{\n  "block_size": 1048576,\n  "queue_depth": ,\n}\n')
+    with pytest.raises(ValueError) as e:
+        IOConfig.from_json(path)
+    msg = str(e.value)
+    assert str(path) in msg and "line 3" in msg and "column" in msg and "\n" not in msg
+    path.write_text("[1, 2]")
+    with pytest.raises(TypeError, match="needs a dict") as e:
+        IOConfig.from_json(path)
+    assert str(path) in str(e.value)
+    path.write_text('{"recommended": {"queue_depth": 0}}')
+    with pytest.raises(ValueError, match="queue_depth") as e:
+        IOConfig.from_json(path)
+    assert str(path) in str(e.value)
+    path.write_text('{"recommended": {"queue_depth": 8}}')
+    assert IOConfig.from_json(path).queue_depth == 8

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from .. import _native
+from ..utils.sizes import parse_bytes
 
 
 def memory_of(buf: Any, writable: bool) -> tuple[int, int, Any]:
@@ -38,14 +39,23 @@ def memory_of(buf: Any, writable: bool) -> tuple[int, int, Any]:
     return arr.ctypes.data, arr.nbytes, (buf, mv, arr)
 
 
-def aligned_empty(nbytes: int, pin: bool | None = None,
+def aligned_empty(nbytes: int | str, pin: bool | None = None,
                   on_free: Callable[[], None] | None = None) -> torch.Tensor:
-    """An uninitialised ``torch.uint8`` tensor of ``nbytes`` that O_DIRECT accepts: page aligned,
-    exactly sized (no power-of-two rounding), and pinned for CUDA when a GPU is present (or
-    ``pin=True``). Its memory goes back to the OS when the tensor and every view of it are
-    freed; ``on_free`` is called then (after the pages are unregistered)."""
+    """An uninitialised ``torch.uint8`` tensor of ``nbytes`` (an int, or a size such as
+    ``"1MiB"``) that O_DIRECT accepts: page aligned, exactly sized (no power-of-two rounding),
+    and pinned for CUDA when a GPU is present (or ``pin=True``). Its memory goes back to the OS
+    when the tensor and every view of it are freed; ``on_free`` is called then (after the
+    pages are unregistered)."""
+    if isinstance(nbytes, str):
+        try:
+            nbytes = parse_bytes(nbytes)
+        except ValueError as e:
+            raise ValueError(f"aligned_empty: nbytes is {e}") from None
+    elif isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise TypeError(f"aligned_empty: nbytes must be an int or a size such as '1MiB', not "
+                        f"{type(nbytes).__name__} ({nbytes!r})")
     if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, not {nbytes}")
+        raise ValueError(f"aligned_empty: nbytes must be >= 0, not {nbytes}")
     if pin is None:
         pin = torch.cuda.is_available()
     if nbytes == 0:
