@@ -34,6 +34,8 @@ class BasePolicy:
     ``params``: the tier that holds the parameters ("gpu", "cpu" or "nvme"). ``device``: where
     compute runs (default: cuda when present, else cpu). ``nvme_dir``: directory of the swap
     space (needed for "nvme"), or a list of them, one per drive: units are striped over all.
+    One that other users can write to without the sticky bit is refused, as they could redirect
+    the swap files; set ``TIEROFFLOAD_ALLOW_SHARED_DIR=1`` to accept that.
     ``gpu_budget`` / ``cpu_budget``: bytes (or "2GiB") of parameters
     that may be resident on the compute device at once; default: what the prefetch window needs.
     ``prefetch``: how much to have on its way ahead of compute along the recorded order, past
