@@ -26,12 +26,10 @@ def shared_allowed() -> bool:
     return os.environ.get(ALLOW_SHARED_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
-def open_directory(directory: str | os.PathLike, what: str = "nvme_dir",
-                   allow_shared: bool | None = None) -> tuple[int, str]:
+def open_directory(directory: str | os.PathLike, what: str = "nvme_dir") -> tuple[int, str]:
     """(descriptor, absolute path) of an existing directory this user can write to. One that
     other users can write to (group or other write bit) without the sticky bit is refused, as
-    they could rename what is made in it, unless ``allow_shared`` (default: the environment's
-    ``TIEROFFLOAD_ALLOW_SHARED_DIR``)."""
+    they could rename what is made in it, unless ``TIEROFFLOAD_ALLOW_SHARED_DIR=1``."""
     path = os.path.abspath(os.fspath(directory))
     try:
         fd = os.open(path, _DIR_FLAGS)
@@ -44,11 +42,11 @@ def open_directory(directory: str | os.PathLike, what: str = "nvme_dir",
             raise PermissionError(errno.EACCES, f"{what} is not writable", path)
         mode = stat.S_IMODE(st.st_mode)
         if mode & 0o022 and not mode & stat.S_ISVTX:
-            if not (shared_allowed() if allow_shared is None else allow_shared):
+            if not shared_allowed():
                 raise PermissionError(
                     errno.EPERM, f"{what} has mode {mode:04o}: other users can write to it and "
-                    "it has no sticky bit, so they could redirect the files made there; use a "
-                    f"private directory, `chmod +t` it, or set {ALLOW_SHARED_ENV}=1", path)
+                    "it has no sticky bit, so they could redirect the files made there; "
+                    f"`chmod go-w` or `chmod +t` it, or set {ALLOW_SHARED_ENV}=1", path)
     except BaseException:
         os.close(fd)
         raise
