@@ -478,3 +478,38 @@ def test_a_valid_crafted_rewrite_still_loads(tmp_path):
     tieroffload.save_checkpoint(path, model, opt, extra={"v": 1})
     craft(path, manifest=lambda m, d: None, extra=lambda s: None)
     assert tieroffload.load_checkpoint(path, model, opt) == {"v": 1}
+
+
+def test_a_link_planted_at_the_temporary_name_is_not_followed(tmp_path):
+    """``<path>.tmp-<pid>`` is cleared before a save writes there: a symbolic link planted at
+    that name to someone's folder leaves that folder's files (even ones named like a
+    checkpoint's) alone, and the save fails naming the link."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "manifest.json").write_text("theirs\n")
+    path = tmp_path / "ckpt"
+    os.symlink(victim, f"{path}.tmp-{os.getpid()}")
+    before = tree(victim)
+    with pytest.raises(OSError, match=re.escape(f"{path}.tmp-{os.getpid()}")):
+        tieroffload.save_checkpoint(path, mlp(width=16, depth=2))
+    assert tree(victim) == before
+
+
+@pytest.mark.parametrize("opt_cls,kw", [(torch.optim.RMSprop, dict(momentum=0.9)),
+                                        (torch.optim.Adagrad, {})], ids=["RMSprop", "Adagrad"])
+def test_a_class_without_a_known_state_layout_still_round_trips(tmp_path, opt_cls, kw):
+    """Other optimizer classes: their state is checked for shape, dtype and safe names only,
+    and a checkpoint of theirs resumes exactly."""
+    def run(load: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = TinyGPT()
+        opt = opt_cls(model.parameters(), lr=1e-2, **kw)
+        loss_step(model, opt, 0)
+        if load:
+            tieroffload.save_checkpoint(tmp_path / "ckpt", model, opt)
+            torch.manual_seed(1)
+            model = TinyGPT()
+            opt = opt_cls(model.parameters(), lr=1e-2, **kw)
+            tieroffload.load_checkpoint(tmp_path / "ckpt", model, opt)
+        return [loss_step(model, opt, s) for s in range(1, 4)]
+    assert run(load=True) == run(load=False)

@@ -133,11 +133,14 @@ def _check_own(ck: _Opened, names: list[str]) -> None:
 
 def remove_checkpoint(path: str) -> None:
     """Removes the checkpoint files (and rank parts) in ``path``, then the directory if it
-    is then empty: anything else in it stays, and so does the directory."""
+    is then empty: anything else in it stays, and so does the directory. A symbolic link (one
+    planted at a temporary name) is not followed: nothing is removed."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return
     for name in FILES:
         _unlink(os.path.join(path, name))
     try:
-        names = os.listdir(path) if not os.path.islink(path) else []
+        names = os.listdir(path)
     except OSError:
         return
     for name in names:

@@ -105,6 +105,8 @@ def check_groups(opt_cls: type, defaults: Mapping[str, Any], own: list[dict[str,
     signature = inspect.signature(opt_cls.__init__).parameters
     accepted = set(signature)
     nullable = {k for k, a in signature.items() if a.default is None}
+    required = {k for k, a in list(signature.items())[2:] if a.default is a.empty
+                and a.kind in (a.POSITIONAL_OR_KEYWORD, a.KEYWORD_ONLY)}
     for gi, (g, mine) in enumerate(zip(saved, own)):
         n = len(mine["params"])
         if g["params"] != list(range(first, first + n)) or \
@@ -124,6 +126,8 @@ def check_groups(opt_cls: type, defaults: Mapping[str, Any], own: list[dict[str,
             if k != "params" and k not in defaults and not (isinstance(k, str) and _plain(v)):
                 raise ValueError(f"param_groups[{gi}][{k!r}] is {type(v).__name__}, not a "
                                  "plain value")
+        if not required <= set(defaults):
+            continue  # a constructor that needs more than its hyperparameters: not run
         kwargs = {k: g[k] for k in defaults if k in accepted}
         try:  # torch's own checks of the values
             opt_cls([nn.Parameter(torch.zeros(1))], **kwargs)
