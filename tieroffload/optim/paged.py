@@ -30,6 +30,7 @@ from ..core.units import State, Unit
 from ..hooks.state import OffloadState, _state
 from ..utils.dist import world_size
 from .loss_scale import LossScale
+from .state_check import Entry, check_groups, check_loss_scale, check_state
 
 CHUNK_BYTES = 16 << 20  # parameters per chunk, at least one unit
 
@@ -1227,46 +1228,92 @@ class PagedOptimizer(torch.optim.Optimizer):
         return [{**{k: v for k, v in g.items() if k != "params"},
                  "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
 
+    def check_loadable(self, groups: Any, state: dict[Any, dict[str, Entry]],
+                       loss_scale: Any = None,
+                       label: Callable[[Any, str], str] = "state[{}][{!r}]".format) -> None:
+        """Raises ValueError, naming the entry, unless ``groups`` (torch's param_groups layout),
+        ``state`` (index -> name -> entry) and ``loss_scale`` can all be loaded: see
+        ``state_check``. A ``master`` entry (an fp32 copy of an fp16/bf16 parameter) only
+        for a parameter that has one here, of its shape. ``label(index, name)`` names an
+        entry in errors."""
+        check_groups(self.opt_cls, self.defaults, self.param_groups, groups)
+        params = [p for g in self.param_groups for p in g["params"]]
+        masters = {id(c.params[i]) for c in self.chunks for i in c.masters}
+        own: dict[Any, dict[str, Entry]] = {}
+        for i, st in state.items():
+            if isinstance(st, dict) and "master" in st:
+                e = st["master"]
+                p = params[i] if type(i) is int and 0 <= i < len(params) else None
+                if p is None or id(p) not in masters or e.shape != tuple(p.shape) \
+                        or e.dtype != torch.float32:
+                    raise ValueError(f"{label(f'{i!r:.40}', 'master')} is no fp32 master copy "
+                                     "of an fp16/bf16 parameter of this optimizer")
+                st = {k: v for k, v in st.items() if k != "master"}
+            own[i] = st
+        check_state(self.opt_cls, params, groups, own,
+                    lambda p: torch.float32 if id(p) in masters else p.dtype, label)
+        if loss_scale is not None and self.scaler is not None:
+            check_loss_scale(self.scaler.state_dict(), loss_scale)
+
     def load_groups(self, groups: list[dict[str, Any]]) -> None:
-        """Takes the hyperparameters of saved ``param_groups`` (which must match in shape)."""
-        if len(groups) != len(self.param_groups) or any(
-                len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
-            raise ValueError("optimizer state dict does not match this optimizer's param groups")
+        """Takes the hyperparameters of saved ``param_groups``, checked by ``check_loadable``."""
         self._torn = []  # every chunk's state and parameters come from what is loaded
         for g, saved in zip(self.param_groups, groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's: the saved state replaces the current one (a parameter with none saved
+        starts afresh, as before its first step). Everything is checked before anything
+        changes; a dict that does not fit raises ValueError naming the entry."""
         self._check_open()
         self.settle()
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
+                or "param_groups" not in state_dict:
+            raise ValueError("optimizer state dict must be a dict with 'state' (a dict) and "
+                             "'param_groups', as state_dict() makes it")
+        saved = state_dict["state"]
+        self.check_loadable(state_dict["param_groups"],
+                            {i: {k: Entry.of(v) for k, v in st.items()}
+                             if isinstance(st, dict) else st for i, st in saved.items()},
+                            state_dict.get("loss_scale"))
         self.load_groups(state_dict["param_groups"])
         if self.scaler is not None and "loss_scale" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scale"])
         index = self._index()
         for chunk in self.chunks:
-            self.load_chunk(chunk, lambda p: state_dict["state"].get(index[id(p)]))
+            self.load_chunk(chunk, lambda p: saved.get(index[id(p)]))
 
     def load_chunk(self, chunk: _Chunk, saved_of: Callable[[nn.Parameter], dict | None]) -> None:
-        """Fills one chunk's state from ``saved_of(param)`` (a dict of its state, or None) and
-        pages it out: one chunk in memory at a time."""
+        """Replaces one chunk's state with ``saved_of(param)`` (a checked dict of its state,
+        or None: no state, as before the first step) and pages it out: one chunk in memory at
+        a time. Tensors of the same name, shape and dtype are filled in place, so the paged
+        layout stays valid; any other change makes a new one."""
         self._wait(chunk)
         if chunk.state_unit is not None and chunk.state_unit.state is State.AWAY:
-            chunk.state_unit.allocate()  # refilled below
+            chunk.state_unit.allocate()  # what is kept is refilled below, the rest dropped
             chunk.state_unit.state = State.RESIDENT
         for i, p in enumerate(chunk.params):
-            saved = saved_of(p)
-            if saved is None:
-                continue
+            saved = saved_of(p) or {}
             q = chunk.inner_param(i)
-            cur = chunk.inner.state.get(q)
+            cur = chunk.inner.state.get(q, {})
+            new: dict[str, Any] = {}
             for k, v in saved.items():
+                old = cur.get(k)
                 if k == "master":
                     q.data.copy_(v)
-                elif cur is not None and isinstance(cur.get(k), torch.Tensor):
-                    cur[k].copy_(v)  # same tensors: the paged layout stays valid
+                elif (isinstance(old, torch.Tensor) and isinstance(v, torch.Tensor)
+                      and old.shape == v.shape and old.dtype == v.dtype):
+                    new[k] = old.copy_(v)
                 else:
-                    chunk.inner.state.setdefault(q, {})[k] = (
-                        v.clone().to(q.device) if isinstance(v, torch.Tensor) else v)
+                    new[k] = v.clone().to(q.device) if isinstance(v, torch.Tensor) else v
+            if new:
+                chunk.inner.state[q] = new
+            else:
+                chunk.inner.state.pop(q, None)
+        if chunk.state_unit is not None and not self._state_tensors(chunk):
+            chunk.state_unit.free()  # no state left: nothing to page
+            chunk.state_unit.home.release()
+            chunk.state_unit = None
         self._page_out(chunk)
         self._wait(chunk)
 
