@@ -729,21 +729,21 @@ def test_a_failed_switch_leaves_the_previous_checkpoint_in_place(tmp_path, monke
     """The last step of a save fails (EIO on the rename, or on the swap where the file system
     offers one): the previous checkpoint is still at ``path``, whole, and nothing is left
     beside it."""
-    from tieroffload.checkpoint import store
+    from tieroffload.checkpoint import folder
 
     path, model, opt = _small_checkpoint(tmp_path, extra={"v": 1})
     before = params_of(model)
 
-    def fail(*args):
+    def fail(*args, **kwargs):
         raise OSError(errno.EIO, "Input/output error (injected)")
 
     if swap:
-        monkeypatch.setattr(store, "exchange", fail)
+        monkeypatch.setattr(folder, "exchange", fail)
     else:
-        monkeypatch.setattr(store, "exchange", lambda a, b: False)
+        monkeypatch.setattr(folder, "exchange", lambda *args: False)
         rename = os.rename
-        monkeypatch.setattr(store.os, "rename", lambda a, b: fail() if ".tmp-" in str(a)
-                            else rename(a, b))
+        monkeypatch.setattr(folder.os, "rename", lambda a, b, **kw: fail() if ".tmp-" in str(a)
+                            else rename(a, b, **kw))
     other = mlp(width=16, depth=2)
     with pytest.raises(OSError, match="injected"):
         tieroffload.save_checkpoint(path, other, extra={"v": 2})

@@ -3,6 +3,7 @@ a folder cannot redirect swap writes, and load_weights reads only regular files 
 
 import errno
 import fcntl
+import itertools
 import os
 import stat
 import threading
@@ -123,11 +124,20 @@ def test_swap_engine_uses_the_descriptor_that_was_checked(tmp_path, monkeypatch)
     assert not os.path.exists(swap.path)
 
 
+def give_to_another_group(folder):
+    """Makes ``folder``'s group one the user does not own alone (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a folder to another group")
+    os.chown(folder, -1, 65534)
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o757])
 def test_a_shared_nvme_dir_without_the_sticky_bit_is_refused(tmp_path, mode):
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, mode)
+    if mode & 0o020:
+        give_to_another_group(shared)
     with pytest.raises(PermissionError) as e:
         SwapSpace(str(shared), 4096, TAG)
     msg = str(e.value)
@@ -135,6 +145,24 @@ def test_a_shared_nvme_dir_without_the_sticky_bit_is_refused(tmp_path, mode):
     assert str(shared) in msg and f"{mode:04o}" in msg and "chmod +t" in msg
     assert ALLOW_SHARED_ENV in msg
     assert os.listdir(shared) == [], "made something in the refused folder"
+
+
+def test_a_group_writable_nvme_dir_of_the_users_own_group_is_accepted(tmp_path):
+    """umask 002 with user private groups (Debian, Ubuntu) makes folders 0775 whose group is
+    the user's alone: nobody else can write there, so it is not refused."""
+    import grp
+    import pwd
+
+    user = pwd.getpwuid(os.geteuid())
+    group = grp.getgrgid(user.pw_gid)
+    if group.gr_name != user.pw_name or any(m != user.pw_name for m in group.gr_mem):
+        pytest.skip("this user has no private group")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    os.chown(mine, -1, user.pw_gid)
+    os.chmod(mine, 0o775)
+    SwapSpace(str(mine), 4096, TAG).close()
+    assert os.listdir(mine) == []
 
 
 def test_a_sticky_shared_nvme_dir_is_accepted(tmp_path):
@@ -302,3 +330,71 @@ def test_load_weights_of_something_not_a_path_is_a_one_line_type_error(source):
         tieroffload.load_weights(model, source)
     assert type(source).__name__ in str(e.value) and "\n" not in str(e.value)
     tieroffload.close(model)
+
+
+# -- checkpoints are written only through the descriptors of the folders a save made ---------
+
+def _save_small(path, seed):
+    import torch
+
+    import tieroffload
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 4)
+    tieroffload.save_checkpoint(path, model)
+    return model
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["links-to-a-victim", "empty"])
+def test_checkpoint_writes_never_follow_a_temporary_folder_swapped_for_a_symlink(
+        tmp_path, monkeypatch, links):
+    """Another user renames a save's ``<path>.tmp-<pid>`` folder and puts a symlink to their own
+    folder (empty, or in which symlinks named as the checkpoint's files point at a victim file)
+    in its place, after each file-system call of the save in turn: the victim keeps its bytes,
+    nothing is made in the attacker's folder, and the save either lands whole or fails leaving
+    the previous checkpoint as it was."""
+    import torch
+
+    import tieroffload
+
+    victim_bytes = b"root's file\n" * 500
+    fired = True
+    for k in itertools.count(1):  # until the save makes fewer than k calls
+        if not fired:
+            break
+        root = tmp_path / f"k{k}"
+        attacker, victim, path = root / "attacker", root / "victim", root / "ckpt"
+        attacker.mkdir(parents=True)
+        victim.write_bytes(victim_bytes)
+        for name in ("manifest.json", "tensors.bin", "extra.pt") if links else ():
+            os.symlink(victim, attacker / name)
+        planted = sorted(os.listdir(attacker))
+        before = _save_small(path, 1)
+        tmp = root / f"ckpt.tmp-{os.getpid()}"
+
+        fired = False
+
+        def attack(n, k=k, tmp=tmp, attacker=attacker, root=root):
+            nonlocal fired
+            if n == k:
+                fired = True
+                try:
+                    os.rename(tmp, root / "moved")
+                except FileNotFoundError:
+                    pass  # not made yet: the symlink is there first
+                os.symlink(attacker, tmp)
+
+        with monkeypatch.context() as m:
+            fs_calls_hooked(m, attack)
+            try:
+                saved = _save_small(path, 2)
+            except (tieroffload.CheckpointError, OSError):
+                saved = None
+        assert victim.read_bytes() == victim_bytes, f"attack after call {k}: victim written"
+        assert sorted(os.listdir(attacker)) == planted, \
+            f"attack after call {k}: files made in the attacker's folder"
+        fresh = torch.nn.Linear(4, 4)
+        tieroffload.load_checkpoint(path, fresh)
+        want = saved if saved is not None else before
+        for a, b in zip(fresh.parameters(), want.parameters()):
+            assert torch.equal(a, b), f"attack after call {k}: the checkpoint at path is wrong"

@@ -10,7 +10,9 @@ symlink between a check and a use.
 from __future__ import annotations
 
 import errno
+import grp
 import os
+import pwd
 import stat
 
 from .engine import Engine, warn_once
@@ -26,10 +28,31 @@ def shared_allowed() -> bool:
     return os.environ.get(ALLOW_SHARED_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
+def private_group(gid: int) -> bool:
+    """Whether ``gid`` is this user's own group (the user private groups Debian and Ubuntu
+    make, where umask 002 leaves folders group-writable): the user's primary group, named as
+    the user, with no other member."""
+    try:
+        user, group = pwd.getpwuid(os.geteuid()), grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return (gid == user.pw_gid and group.gr_name == user.pw_name
+            and all(m == user.pw_name for m in group.gr_mem))
+
+
+def shared(st: os.stat_result) -> bool:
+    """Whether other users can rename what is in the directory ``st`` describes: it is
+    writable by others, or by a group that is not the user's own, and has no sticky bit."""
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_ISVTX:
+        return False
+    return bool(mode & 0o002) or bool(mode & 0o020 and not private_group(st.st_gid))
+
+
 def open_directory(directory: str | os.PathLike, what: str = "nvme_dir") -> tuple[int, str]:
     """(descriptor, absolute path) of an existing directory this user can write to. One that
-    other users can write to (group or other write bit) without the sticky bit is refused, as
-    they could rename what is made in it, unless ``TIEROFFLOAD_ALLOW_SHARED_DIR=1``."""
+    other users can write to (``shared``) is refused, as they could rename what is made in
+    it, unless ``TIEROFFLOAD_ALLOW_SHARED_DIR=1``."""
     path = os.path.abspath(os.fspath(directory))
     try:
         fd = os.open(path, _DIR_FLAGS)
@@ -41,7 +64,7 @@ def open_directory(directory: str | os.PathLike, what: str = "nvme_dir") -> tupl
         if not os.access(".", os.W_OK | os.X_OK, dir_fd=fd):
             raise PermissionError(errno.EACCES, f"{what} is not writable", path)
         mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o022 and not mode & stat.S_ISVTX:
+        if shared(st):
             if not shared_allowed():
                 raise PermissionError(
                     errno.EPERM, f"{what} has mode {mode:04o}: other users can write to it and "

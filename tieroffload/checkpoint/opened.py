@@ -32,8 +32,9 @@ class _Opened:
     are read: no symlink inside it, no FIFO or device, nothing another user could have
     planted."""
 
-    def __init__(self, path: str, parent: _Opened | None = None) -> None:
-        """``path``, or (with ``parent``) its last part inside the parent opened."""
+    def __init__(self, path: str, parent: Any = None) -> None:
+        """``path``, or (with ``parent``, a folder open as ``parent.fd``) its last part inside
+        that folder, never following a link there."""
         self.path = path
         # ``path`` may be a symbolic link (``latest -> step-1000``): its target's owner is
         # checked; inside, nothing is followed.
@@ -113,16 +114,18 @@ class _Opened:
         self.close()
 
 
-def _complete(path: str) -> bool:
-    """``path`` holds a checkpoint whose manifest and data size are whole."""
+def _complete(path: str, parent: Any = None) -> float | None:
+    """The time ``path`` (with ``parent``: its last part, in the folder open as
+    ``parent.fd``) got its manifest, where it holds a checkpoint whose manifest and data size
+    are whole; else None."""
     try:
-        with _Opened(path) as ck:
+        with _Opened(path, parent) as ck:
             meta = ck.manifest()
             if "ranks" not in meta:
                 _check_size(ck, meta)
+            return os.fstat(ck.open("manifest.json").fileno()).st_mtime
     except CheckpointError:
-        return False
-    return True
+        return None
 
 
 def _check_size(ck: _Opened, meta: dict[str, Any]) -> BinaryIO:

@@ -45,10 +45,10 @@ from torch import nn
 
 from ..optim.paged import PagedOptimizer
 from ..utils.dist import distributed
-from ..utils.paths import exchange
+from .folder import Folder
 from .opened import _check_size, _Opened, _verify
 from .schema import DTYPES, FORMAT, VERSION, CheckpointError, check_optimizer, check_saved
-from .write import _create, _fsync_dir, _mkdir, _recover, _write, check_target, remove_checkpoint
+from .write import _recover, _write, check_target
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 
@@ -63,25 +63,49 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     docstring): anything else is a CheckpointError before anything is written. A disk error
     (a full disk) is an OSError naming ``path``; the previous checkpoint stays as it was."""
     path = check_target(path)  # every rank: each raises the same error, none waits
-    parent = os.path.dirname(path)
+    where, base = os.path.split(path)
     dist = distributed()
     rank = dist.get_rank() if dist else 0
-    token = [f"{path}.tmp-{os.getpid()}"]
+    token = [f"{base}.tmp-{os.getpid()}"]
     if dist:
         dist.broadcast_object_list(token, src=0)  # one temporary name for every rank
     tmp = token[0]
-    if rank == 0:
-        _recover(path)
-        remove_checkpoint(tmp)  # a leftover of an earlier process of our pid
-        _mkdir(tmp)
-    if dist:
-        dist.barrier()
-    part = os.path.join(tmp, f"rank{rank}") if dist else tmp
+    with Folder.for_writing(where) as parent:
+        if rank == 0:
+            _recover(parent, base)
+            parent.remove_checkpoint(tmp)  # a leftover of an earlier process of our pid
+            parent.make(tmp).close()
+        if dist:
+            dist.barrier()
+        try:
+            with parent.sub(tmp) as folder:
+                _save_into(folder, parent, tmp, base, dist, rank, model, optimizer, extra)
+        except OSError as e:
+            if rank == 0:
+                parent.remove_checkpoint(tmp)
+            raise OSError(e.errno, f"{e.strerror} while saving checkpoint {path}: not saved, "
+                          "the previous one (if any) is kept") from e
+        except BaseException:
+            if rank == 0:
+                parent.remove_checkpoint(tmp)
+            raise
+        finally:
+            if dist:
+                dist.barrier()  # nobody goes on before the checkpoint is in place
+
+
+def _save_into(folder: Folder, parent: Folder, tmp: str, base: str, dist: Any, rank: int,
+               model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Any) -> None:
+    """Writes this rank's part into ``folder`` (``parent``'s ``tmp``); rank 0 then writes the
+    manifest once every rank has written, and puts ``tmp`` in place of ``base``."""
     try:
-        if part != tmp:
-            _mkdir(part)
-        meta: Any = _write(part, model, optimizer, extra)
-        _fsync_dir(part)
+        part = folder.make(f"rank{rank}") if dist else folder
+        try:
+            meta: Any = _write(part, model, optimizer, extra)
+            part.fsync()
+        finally:
+            if part is not folder:
+                part.close()
     except BaseException as e:
         meta = e
     metas = [meta]
@@ -90,53 +114,55 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
         dist.all_gather_object(metas, meta if not isinstance(meta, BaseException)
                                else f"rank {rank}: {meta!r}")
     failed = [m for m in metas if not isinstance(m, dict)]
-    try:
-        if failed:
-            raise meta if isinstance(meta, BaseException) else CheckpointError(
-                f"checkpoint {path} not saved: {failed[0]}".splitlines()[0])
-        if rank == 0:
-            manifest = metas[0] if not dist else {
-                "format": FORMAT, "version": VERSION, "world_size": len(metas), "ranks": metas}
-            with _create(os.path.join(tmp, "manifest.json")) as f:
-                f.write(json.dumps(manifest).encode())
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(tmp)
-            _replace(tmp, path, parent)
-    except OSError as e:
-        if rank == 0:
-            remove_checkpoint(tmp)
-        raise OSError(e.errno, f"{e.strerror} while saving checkpoint {path}: not saved, the "
-                      "previous one (if any) is kept") from e
-    except BaseException:
-        if rank == 0:
-            remove_checkpoint(tmp)
-        raise
-    finally:
-        if dist:
-            dist.barrier()  # nobody goes on before the checkpoint is in place
+    if failed:
+        raise meta if isinstance(meta, BaseException) else CheckpointError(
+            f"checkpoint {parent.where(base)} not saved: {failed[0]}".splitlines()[0])
+    if rank == 0:
+        manifest = metas[0] if not dist else {
+            "format": FORMAT, "version": VERSION, "world_size": len(metas), "ranks": metas}
+        with folder.create("manifest.json") as f:
+            f.write(json.dumps(manifest).encode())
+            f.flush()
+            os.fsync(f.fileno())
+        folder.fsync()
+        _replace(parent, tmp, base, os.fstat(folder.fd))
 
 
-def _replace(tmp: str, path: str, parent: str) -> None:
-    """Puts the complete checkpoint ``tmp`` in place of ``path``: in one step where the file
-    system can (a reader of ``path`` sees the old or the new, never none), else by moving the
-    old aside first. The old one's files are then removed (``check_target`` made sure it held
-    nothing else); a failure leaves ``path`` as it was."""
-    if os.path.lexists(path) and exchange(tmp, path):
-        _fsync_dir(parent)
-        remove_checkpoint(tmp)  # the old checkpoint, now
+def _replace(parent: Folder, tmp: str, base: str, mine: os.stat_result) -> None:
+    """Puts the complete checkpoint ``tmp`` (the folder ``mine`` is the status of) in place of
+    ``base`` (both in ``parent``): in one step where the file system can (a reader of ``base``
+    sees the old or the new, never none), else by moving the old aside first. The old one's
+    files are then removed (``check_target`` made sure it held nothing else). A failure, or
+    ``tmp`` found to be another folder than ours after the rename (another user renamed it),
+    leaves ``base`` as it was."""
+    def ours(name: str) -> bool:
+        st = parent.lstat(name)
+        return st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+    replaced = CheckpointError(f"checkpoint {parent.where(base)} not saved: its temporary folder "
+                               f"{parent.where(tmp)} was replaced while it was written (can "
+                               "another user write to the folder?)")
+    if parent.lstat(base) is not None and parent.exchange(tmp, base):
+        if not ours(base):
+            parent.exchange(tmp, base)
+            raise replaced
+        parent.fsync()
+        parent.remove_checkpoint(tmp)  # the old checkpoint, now
         return
-    old = f"{path}.old-{os.getpid()}"
-    if os.path.lexists(path):
-        os.rename(path, old)
+    old = f"{base}.old-{os.getpid()}"
+    if parent.lstat(base) is not None:
+        parent.rename(base, old)
     try:
-        os.rename(tmp, path)
+        parent.rename(tmp, base)
+        if not ours(base):
+            parent.rename(base, tmp)
+            raise replaced
     except BaseException:
-        if os.path.lexists(old):
-            os.rename(old, path)
+        if parent.lstat(old) is not None:
+            parent.rename(old, base)
         raise
-    _fsync_dir(parent)
-    remove_checkpoint(old)
+    parent.fsync()
+    parent.remove_checkpoint(old)
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module,
@@ -149,7 +175,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     path = os.path.abspath(os.fspath(path))
     dist = distributed()
     if not dist or dist.get_rank() == 0:
-        _recover(path)  # a save killed half way: put its complete copy back, clear leftovers
+        _recover_beside(path)  # a save killed half way: put its copy back, clear leftovers
     if dist:
         dist.barrier()
     with _Opened(path) as top:
@@ -163,6 +189,17 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         rank = dist.get_rank() if dist else 0
         with _Opened(os.path.join(path, f"rank{rank}"), top) as part:
             return _load(part, meta["ranks"][rank], model, optimizer)
+
+
+def _recover_beside(path: str) -> None:
+    """``write._recover`` in the folder of ``path``, where that folder can be opened (where it
+    cannot, the load itself says there is no checkpoint)."""
+    try:
+        parent = Folder.for_reading(os.path.dirname(path))
+    except OSError:
+        return
+    with parent:
+        _recover(parent, os.path.basename(path))
 
 
 def _load(ck: _Opened, meta: dict[str, Any], model: nn.Module,

@@ -1,12 +1,10 @@
-"""Writing a checkpoint: where it may go (``check_target``), its files, and the removal of
-what a checkpoint holds, and nothing else."""
+"""Writing a checkpoint: where it may go (``check_target``), its files (through the
+descriptors of ``folder.Folder``), and putting back what a killed save left."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import re
 import stat
 import zlib
 from typing import Any, BinaryIO
@@ -15,11 +13,9 @@ import torch
 from torch import nn
 
 from ..optim.paged import PagedOptimizer
+from .folder import FILES, RANK_DIR, Folder
 from .opened import _complete, _crc, _Opened
 from .schema import FORMAT, MAX_MANIFEST, VERSION, CheckpointError
-
-FILES = ("manifest.json", "tensors.bin", "extra.pt")  # what a checkpoint directory holds
-RANK_DIR = re.compile(r"rank(0|[1-9][0-9]*)\Z")  # and, saved by several ranks, their parts
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -40,25 +36,6 @@ class _Writer:
                              "shape": list(t.shape), "offset": self.f.tell(),
                              "nbytes": len(mv), "crc32": zlib.crc32(mv)})
         self.f.write(mv)
-
-
-def _create(path: str) -> BinaryIO:
-    """A new file only this user may read (0600)."""
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                             | os.O_CLOEXEC, 0o600), "wb")
-
-
-def _mkdir(path: str) -> None:
-    os.mkdir(path, 0o700)
-    os.chmod(path, 0o700)  # whatever the umask
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_target(path: Any) -> str:
@@ -120,50 +97,21 @@ def _check_own(ck: _Opened, names: list[str]) -> None:
         raise CheckpointError(f"checkpoint path {ck.path} holds a manifest.json that is not a "
                               f"{FORMAT}'s: nothing was written; save to a new path")
     for name in names:
-        if name in FILES:
-            continue
-        inside = os.path.join(ck.path, name)
-        if RANK_DIR.match(name) and os.path.isdir(inside) and not os.path.islink(inside) \
-                and set(os.listdir(inside)) <= set(FILES):
+        if name in FILES or (RANK_DIR.match(name) and _holds_only_files(ck, name)):
             continue
         raise CheckpointError(
             f"checkpoint {ck.path} holds {name!r}, which is no part of a checkpoint: nothing "
             "was written; move it out first (replacing a checkpoint deletes only its own files)")
 
 
-def remove_checkpoint(path: str) -> None:
-    """Removes the checkpoint files (and rank parts) in ``path``, then the directory if it
-    is then empty: anything else in it stays, and so does the directory. A symbolic link (one
-    planted at a temporary name) is not followed: nothing is removed."""
-    if os.path.islink(path) or not os.path.isdir(path):
-        return
-    for name in FILES:
-        _unlink(os.path.join(path, name))
+def _holds_only_files(ck: _Opened, name: str) -> bool:
+    """``name`` in ``ck`` is a folder (not a link to one) of checkpoint files only."""
     try:
-        names = os.listdir(path)
+        with Folder(os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                            dir_fd=ck.fd), os.path.join(ck.path, name)) as part:
+            return set(part.names()) <= set(FILES)
     except OSError:
-        return
-    for name in names:
-        inside = os.path.join(path, name)
-        if RANK_DIR.match(name) and os.path.isdir(inside) and not os.path.islink(inside):
-            for f in FILES:
-                _unlink(os.path.join(inside, f))
-            _rmdir(inside)
-    _rmdir(path)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _rmdir(path: str) -> None:
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
+        return False
 
 
 def _alive(pid: int) -> bool:
@@ -176,50 +124,48 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _leftovers(path: str) -> list[tuple[str, int]]:
-    """(directory, pid) of ``<path>.tmp-<pid>`` and ``<path>.old-<pid>`` beside ``path``."""
+def _leftovers(parent: Folder, base: str) -> list[tuple[str, int]]:
+    """(name, pid) of ``<base>.tmp-<pid>`` and ``<base>.old-<pid>`` in ``parent``."""
     out = []
-    for d in glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".old-*"):
-        tail = d.rsplit("-", 1)[-1]
-        try:
-            st = os.lstat(d)
-        except OSError:
-            continue
-        # Only our own saves' leftovers: a directory another user planted beside the
-        # checkpoint is never adopted, nor removed.
-        if tail.isdigit() and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
-            out.append((d, int(tail)))
+    for name in parent.names():
+        for mark in (".tmp-", ".old-"):
+            tail = name[len(base) + len(mark):]
+            if not (name.startswith(base + mark) and tail.isdigit()):
+                continue
+            st = parent.lstat(name)
+            # Only our own saves' leftovers: a directory another user planted beside the
+            # checkpoint is never adopted, nor removed.
+            if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+                out.append((name, int(tail)))
     return out
 
 
-def _recover(path: str) -> None:
-    """Where ``path`` is missing, puts back the newest complete copy a killed save left beside
-    it (a new one whose manifest was written, else the old one); then removes the leftovers of
-    dead processes (their checkpoint files only). A live process's temporary directory is
-    never touched."""
-    dead = [(d, pid) for d, pid in _leftovers(path) if not _alive(pid)]
-    if not os.path.exists(path):
+def _recover(parent: Folder, base: str) -> None:
+    """Where ``base`` is missing from ``parent``, puts back the newest complete copy a killed
+    save left beside it (a new one whose manifest was written, else the old one); then removes
+    the leftovers of dead processes (their checkpoint files only). A live process's temporary
+    directory is never touched."""
+    dead = [(n, pid) for n, pid in _leftovers(parent, base) if not _alive(pid)]
+    if parent.lstat(base) is None:
         complete = []
-        for d, _ in dead:
-            if not _complete(d):
-                continue
-            new = ".tmp-" in d[len(path):]
-            complete.append((new, os.path.getmtime(os.path.join(d, "manifest.json")), d))
+        for n, _ in dead:
+            when = _complete(parent.where(n), parent)
+            if when is not None:
+                complete.append((n.startswith(base + ".tmp-"), when, n))
         if complete:
-            os.rename(max(complete)[2], path)
-            _fsync_dir(os.path.dirname(path))
-    for d, _ in dead:
-        if os.path.isdir(d):
-            remove_checkpoint(d)
+            parent.rename(max(complete)[2], base)
+            parent.fsync()
+    for n, _ in dead:
+        parent.remove_checkpoint(n)
 
 
-def _write(tmp: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+def _write(tmp: Folder, model: nn.Module, optimizer: torch.optim.Optimizer | None,
            extra: Any) -> dict[str, Any]:
     """Writes tensors.bin and extra.pt into ``tmp``; returns the manifest of this part."""
     state = getattr(model, "_tieroffload", None)
     scalars: dict[str, Any] = {}
     loss_scale = None
-    with _create(os.path.join(tmp, "tensors.bin")) as f:
+    with tmp.create("tensors.bin") as f:
         w = _Writer(f)
         if state is not None:
             for u in state.units:  # one unit resident at a time
@@ -258,22 +204,22 @@ def _write(tmp: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
-    epath = os.path.join(tmp, "extra.pt")
     try:
-        with _create(epath) as f:
+        with tmp.create("extra.pt") as f:
             torch.save({"param_groups": groups, "scalars": scalars, "loss_scale": loss_scale,
                         "extra": extra}, f)
             f.flush()
             os.fsync(f.fileno())
         # what load will accept: refused now, while the previous checkpoint is in place
-        torch.load(epath, weights_only=True)
+        with tmp.read("extra.pt") as f:
+            torch.load(f, weights_only=True)
     except OSError:  # the disk: not the value
         raise
     except Exception as e:  # a lambda, an open file, a type weights_only refuses
         raise CheckpointError(f"extra holds a value that cannot be saved and loaded safely "
                               f"(use dicts, lists, numbers, strings and tensors): "
                               f"{e}".splitlines()[0]) from e
-    with open(epath, "rb") as f:
+    with tmp.read("extra.pt") as f:
         nbytes, crc = _crc(f)
     return {"format": FORMAT, "version": VERSION, "size": size, "tensors": w.entries,
             "extra": {"nbytes": nbytes, "crc32": crc}}

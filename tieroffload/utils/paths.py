@@ -32,14 +32,16 @@ def directories(value: str | os.PathLike | list | tuple | None, what: str = "nvm
     return [os.path.expanduser(os.fspath(value))]
 
 
-def exchange(a: str, b: str) -> bool:
-    """Swaps the paths ``a`` and ``b`` (both exist) in one step: Linux's renameat2 with
-    RENAME_EXCHANGE, so a reader of ``b`` sees the old or the new, never nothing. False where
-    the C library or the file system cannot (the caller then renames twice)."""
+def exchange(a: str, b: str, dir_fd: int | None = None) -> bool:
+    """Swaps the paths ``a`` and ``b`` (both exist; relative to the directory open as
+    ``dir_fd`` when given) in one step: Linux's renameat2 with RENAME_EXCHANGE, so a reader of
+    ``b`` sees the old or the new, never nothing. False where the C library or the file system
+    cannot (the caller then renames twice)."""
     renameat2 = getattr(_libc, "renameat2", None)
     if renameat2 is None:
         return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    at = _AT_FDCWD if dir_fd is None else dir_fd
+    if renameat2(at, os.fsencode(a), at, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
