@@ -1,10 +1,11 @@
 """The host step on a GPU, side by side in one run: a bf16 GPT trained with AdamW fully resident
 on the GPU (where it fits), then with its fp32 masters and AdamW state in pinned RAM
-(optimizer="cpu") and on NVMe (optimizer="nvme"), and ZeRO-Offload's placement (params and
-gradients paged to pinned RAM too: "cpu +grads"). Reports step time, tokens/s, GPU and host
-peak memory, pinned memory, and the bounds the step cannot beat: PCIe (bytes moved / the link's
-GB/s measured here from pinned memory), host Adam (a fused CPU AdamW step timed here, scaled)
-and NVMe (state bytes / the disk's GB/s measured here); step / max(compute, bounds).
+(optimizer="cpu"), ZeRO-Offload's placement (params and gradients paged to pinned RAM too:
+"cpu +grads") and on NVMe (optimizer="nvme"). Reports step time, tokens/s, GPU and host peak
+memory, pinned memory, the GPU's busy share of one more step (torch.profiler), and the bounds
+the step cannot beat: PCIe (bytes moved / the link's GB/s measured here from pinned memory),
+host Adam (a fused CPU AdamW step timed here, scaled) and NVMe (state bytes / the disk's GB/s
+measured here); step / max(compute, bounds).
 Also the link: pinned host<->device GB/s against a plain ``tensor.to(non_blocking=True)``.
 
     python bench/gpu_step.py --dir /mnt/nvme --layers 24 --d 2048 --json out.json
@@ -18,8 +19,10 @@ import json
 import statistics
 import tempfile
 import time
+from typing import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import tieroffload
 from tieroffload.aio.buffers import aligned_empty
@@ -69,6 +72,32 @@ def host_adam_s_per_param(n: int = 1 << 24) -> float:
     return (time.perf_counter() - t) / 3 / n
 
 
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """The length covered by the union of (start, end) intervals (overlaps counted once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def gpu_busy_share(step: Callable[[], object], device: torch.device) -> float | None:
+    """The share of one step's wall time in which the GPU ran kernels or copies (the union of
+    their intervals, from torch.profiler); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        sync(device)
+        t = time.perf_counter()
+        step()
+        sync(device)
+        wall = time.perf_counter() - t
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]  # microseconds
+    return union_length(spans) * 1e-6 / wall
+
+
 def run(args: argparse.Namespace, device: torch.device, optimizer: str | None,
         paged_grads: bool = False) -> dict:
     """Warm-up, then ``args.steps`` timed steps; ``optimizer`` None is the resident run;
@@ -89,23 +118,29 @@ def run(args: argparse.Namespace, device: torch.device, optimizer: str | None,
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     reset_peak_rss()
-    times, losses = [], []
-    for step in range(args.steps + 1):
+
+    def one_step(step: int) -> torch.Tensor:
         x, y = (t.to(device) for t in token_batch(step, args.batch, args.seq, args.vocab))
-        sync(device)
-        t = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad()
+        return loss
+
+    times, losses = [], []
+    for step in range(args.steps + 1):
+        sync(device)
+        t = time.perf_counter()
+        loss = one_step(step)
         sync(device)
         if step:
             times.append(time.perf_counter() - t)
         losses.append(loss.item())
+    busy = gpu_busy_share(lambda: one_step(args.steps + 1), device)  # one more, profiled
     n = sum(p.numel() for p in model.parameters())
     name = (optimizer or "resident") + (" +grads" if paged_grads else "")
     res = dict(optimizer=name, params=n, step_s=statistics.median(times),
-               losses=losses, host_peak=peak_rss(),
+               losses=losses, host_peak=peak_rss(), gpu_busy=busy,
                gpu_peak=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0)
     if optimizer is not None:
         res["pinned"] = tieroffload.stats(model)["pinned"]
@@ -180,11 +215,12 @@ def add_bounds(r: dict, compute: float, link: dict[str, float], disk: dict[str, 
 
 def report(r: dict) -> None:
     vs = f"{r['vs_bound']:.2f}x" if r["vs_bound"] else "-"
+    busy = "-" if r["gpu_busy"] is None else f"{r['gpu_busy']:.0%}"
     print(f"{r['optimizer']:>9}: step {r['step_s']:.3f} s ({vs} of the bound "
           f"{max(r['bounds'].values()):.3f} s), {r['tokens_per_s']:.0f} tok/s, "
           f"{r['params'] / 1e6:.1f} M parameters, GPU peak {format_bytes(r['gpu_peak'])}, "
           f"host peak {format_bytes(r['host_peak'])}, pinned "
-          f"{format_bytes(r.get('pinned', 0))}, losses {r['losses'][0]:.4f}"
+          f"{format_bytes(r.get('pinned', 0))}, GPU busy {busy}, losses {r['losses'][0]:.4f}"
           f"->{r['losses'][-1]:.4f}", flush=True)
 
 if __name__ == "__main__":

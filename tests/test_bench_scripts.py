@@ -1,6 +1,8 @@
 """The scripts under bench/ run to the end at a tiny size (their figures are not checked
 here: timing on a shared machine belongs in bench/README.md)."""
 
+import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -61,3 +63,29 @@ def test_gpu_check_stops_at_once_without_a_cuda_device(nvidia_smi, tmp_path):
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stdout.strip().splitlines()[-1] == says and "== build" not in out.stdout
     assert (out_dir / "gpu_check.log").read_text() == out.stdout
+
+
+def load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_busy_share_counts_overlapping_kernels_once():
+    gpu_step = load_bench("gpu_step")
+    assert gpu_step.union_length([(5, 6), (0, 2), (1, 3), (2.5, 2.75)]) == 4.0
+    assert gpu_step.union_length([]) == 0.0
+    assert gpu_step.gpu_busy_share(lambda: None, torch.device("cpu")) is None
+
+
+def test_gpu_step_json_holds_each_row_with_nvme_last(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_step.py"), "--dir",
+                          str(tmp_path), *TINY, "--device", "cpu", "--steps", "1", "--json",
+                          str(tmp_path / "out.json")], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert [r["optimizer"] for r in rows] == ["resident", "cpu", "nvme"]
+    assert all(r["gpu_busy"] is None and len(r["losses"]) == 2 for r in rows)
+    assert rows[1]["losses"] == rows[2]["losses"]  # the two host steps: the same updates
