@@ -1022,6 +1022,8 @@ def test_a_paged_optimizer_of_a_closure_only_class_is_refused(tmp_path):
     tieroffload.close(model)
 
 
+@pytest.mark.skipif(torch.__version__ < "2.13", reason="torch < 2.13's dynamo turns the refusal "
+                    "into a graph break: see the test after this one")
 def test_torch_compile_of_a_paged_model_says_it_is_not_supported(tmp_path):
     """torch.compile met OffloadedParameter.__torch_function__ and recursed without end."""
     torch.manual_seed(0)
@@ -1035,6 +1037,23 @@ def test_torch_compile_of_a_paged_model_says_it_is_not_supported(tmp_path):
     assert torch.equal(model(x), ref(x))  # eagerly, as before
     tieroffload.close(model)
 
+
+@pytest.mark.skipif(torch.__version__ >= "2.13", reason="torch 2.13's dynamo lets the refusal "
+                    "through: see the test before this one")
+def test_torch_compile_of_a_paged_model_runs_eagerly_where_dynamo_breaks_at_the_refusal(
+        tmp_path):
+    """torch 2.11's dynamo does not let the refusal raised while it traces a paged parameter
+    out: it breaks the graph there and runs that frame eagerly, so the compiled model gives
+    the eager values (never a graph holding a parameter that pages away)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = tieroffload.offload(copy.deepcopy(ref), nvme_policy(tmp_path, ref))
+    compiled = torch.compile(model, backend="eager")
+    for _ in range(2):
+        x = torch.randn(4, 16)
+        assert torch.equal(compiled(x), ref(x))
+    torch._dynamo.reset()
+    tieroffload.close(model)
 
 def test_sparse_embedding_gradients_cannot_go_to_nvme(tmp_path):
     ref = nn.Sequential(nn.Embedding(50, 8, sparse=True), nn.Linear(8, 1))

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-TESTED = ("2.13",)
+TESTED = ("2.11", "2.13")
 
 
 def in_backward() -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-TESTED = ("2.13",)
+TESTED = ("2.11", "2.13")
 
 
 def is_fsdp_module(m: nn.Module) -> bool:

@@ -2,6 +2,6 @@
 
 from torch.utils._pytree import tree_flatten, tree_map
 
-TESTED = ("2.13",)
+TESTED = ("2.11", "2.13")
 
 __all__ = ["tree_flatten", "tree_map"]

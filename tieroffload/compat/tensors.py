@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-TESTED = ("2.13",)
+TESTED = ("2.11", "2.13")
 
 
 def storage_key(storage: torch.UntypedStorage) -> int:
