@@ -29,6 +29,7 @@ from ..core.mover import NBUF, Mover, Ticket, timed_wait
 from ..core.units import State, Unit
 from ..hooks.state import OffloadState, _state
 from ..utils.dist import world_size
+from .hyper import HyperCheck
 from .loss_scale import LossScale
 
 CHUNK_BYTES = 16 << 20  # parameters per chunk, at least one unit
@@ -116,8 +117,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         if opt_cls in (torch.optim.Adam, torch.optim.AdamW) and not (
                 {"fused", "foreach", "differentiable"} & set(kwargs)):
             kwargs["fused"] = True
-        probe = opt_cls([nn.Parameter(torch.zeros(1, device=self.host))], **kwargs)
-        super().__init__(self._local_params(model, params), dict(probe.defaults))
+        hyper = HyperCheck(opt_cls, kwargs, self.host)
+        super().__init__(self._local_params(model, params), dict(hyper.opt.defaults))
+        self.hyper = hyper  # refuses at step() what opt_cls's step would refuse later
         self._ids = frozenset(id(p) for g in self.param_groups for p in g["params"])
         self._check_in_model()
         if self.offload.grads is not None:
@@ -568,6 +570,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         if error is not None:
             raise error
         resuming = self._resume
+        if not resuming:  # before anything is taken, as torch's step refuses them
+            self.hyper.check(self.param_groups)
         self.settle()  # what a previous step left, before new gradients are taken
         if resuming:  # this call retries a step that failed part way: it is now complete
             self._resume = False
@@ -660,7 +664,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         if len(ready) < len(chunk.units):
             return True
         del self._ready[i]
-        if not self._stepped:
+        if not self._stepped:  # refused before the first chunk steps: nothing is torn
+            self.hyper.check(self.param_groups)
             self._used = self._hyperparameters()
         self._sync_groups(chunk, self._used)
         with torch.no_grad():
