@@ -6,6 +6,8 @@ everything. Helpers come from test_faults.py.
 """
 
 import copy
+import os
+import threading
 
 import pytest
 import torch
@@ -18,6 +20,9 @@ import tieroffload
 def loss_of(model, step: int) -> torch.Tensor:
     return model(batch(step)).float().square().mean()
 
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
 
 
 @pytest.mark.parametrize("bad", [None, "3e-3"])
@@ -105,3 +110,109 @@ def test_a_plain_optimizer_step_that_raises_leaves_no_unit_pinned(tmp_path):
             train_step(m, o, s)
     assert_same(params_of(ref), params_of(model), "parameters")
     tieroffload.close(model)
+
+
+def test_the_first_load_after_a_torn_backward_step_is_honoured(tmp_path):
+    """A backward with overlap="backward" that raises after chunks stepped, then at once
+    load_checkpoint (no forward or step() between to notice the torn step): the load clears
+    it, and training then equals plain PyTorch resumed from the checkpoint."""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = tieroffload.offload(copy.deepcopy(ref), nvme_policy(tmp_path, optimizer="nvme"))
+    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **KW)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, overlap="backward", **KW)
+    for m, o in ((ref, opt_ref), (model, opt)):
+        train_step(m, o, 0)
+    tieroffload.save_checkpoint(tmp_path / "ckpt", model, opt)
+
+    def fail(module, grad_in, grad_out):
+        raise RuntimeError("injected failure in backward")
+
+    handle = model.blocks[0].register_full_backward_hook(fail)  # after later chunks step
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="injected"):
+        loss_of(model, 1).backward()
+    handle.remove()
+    tieroffload.load_checkpoint(tmp_path / "ckpt", model, opt)
+    for step in (1, 2):
+        for m, o in ((ref, opt_ref), (model, opt)):
+            train_step(m, o, step)
+    assert_same(params_of(ref), params_of(model), "parameters after the resumed steps")
+    assert_same(optim_state_of(opt_ref), optim_state_of(opt), "optimizer state")
+    opt.close()
+    tieroffload.close(model)
+
+
+def _spoil(unit) -> str:
+    """Flips one byte of ``unit``'s extent in its swap file; returns the file's path."""
+    path = unit.home.swap.path
+    with open(path, "r+b") as f:
+        f.seek(unit.home.offset + 100)
+        b = f.read(1)
+        f.seek(unit.home.offset + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return path
+
+
+def _checksum_failure(tmp_path, where: str):
+    """(clean model, its optimizer, model, optimizer, swap path): both trained 2 steps, the
+    second model checkpointed to tmp_path/ckpt, then one byte of a unit (``where``: a
+    parameter unit or an optimizer chunk's state) that is away spoiled and met by a step."""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    pairs = []
+    for name in ("clean", "spoilt"):
+        (tmp_path / name).mkdir()
+        model = tieroffload.offload(copy.deepcopy(ref), nvme_policy(
+            tmp_path / name, checksum=True, optimizer="nvme"))
+        pairs.append((model, tieroffload.optimizer(model, torch.optim.AdamW, **KW)))
+    for s in range(2):
+        for m, o in pairs:
+            train_step(m, o, s)
+    model, opt = pairs[1]
+    tieroffload.save_checkpoint(tmp_path / "ckpt", model, opt)
+    model(batch(9))  # the deferred updates applied: every chunk's state has gone out
+    unit = (opt.chunks[0].state_unit if where == "optimizer" else
+            next(u for u in model._tieroffload.units if u.home is not None
+                 and u.state.name == "AWAY"))
+    path = _spoil(unit)
+    with pytest.raises(OSError, match="checksum mismatch"):
+        for s in (2, 3):
+            train_step(model, opt, s)
+    return (*pairs[0], model, opt, path)
+
+
+@pytest.mark.parametrize("where", ["params", "optimizer"])
+def test_close_after_a_checksum_error_releases_everything_and_raises_it_once(tmp_path, where):
+    """After a checksum error, close() raises it once (the restore cannot read the spoilt
+    unit) and still removes the swap file, its descriptors and its threads."""
+    fds, threads = open_fds(), threading.active_count()
+    clean, clean_opt, model, opt, path = _checksum_failure(tmp_path, where)
+    clean_opt.close()
+    tieroffload.close(clean)
+    with pytest.raises(OSError, match="checksum mismatch"):
+        tieroffload.close(model)
+    assert not os.path.exists(path)
+    with pytest.raises(ValueError, match="not offloaded"):  # closed: nothing raises twice
+        tieroffload.close(model)
+    opt.close()
+    assert open_fds() == fds and threading.active_count() == threads
+
+
+@pytest.mark.xfail(strict=True, reason="load_checkpoint must fill the model inside "
+                   "OffloadState.loading(optimizer): tieroffload/checkpoint/store.py is "
+                   "another change's (see the report of this branch)")
+@pytest.mark.parametrize("where", ["params", "optimizer"])
+def test_a_load_after_a_checksum_error_restores_exactly(tmp_path, where):
+    """After a checksum error in a step, load_checkpoint of the checkpoint taken before it
+    restores exactly: training on equals the run that never met the error."""
+    clean, clean_opt, model, opt, path = _checksum_failure(tmp_path, where)
+    tieroffload.load_checkpoint(tmp_path / "ckpt", model, opt)
+    for s in (2, 3, 4):
+        for m, o in ((clean, clean_opt), (model, opt)):
+            train_step(m, o, s)
+    assert_same(params_of(clean), params_of(model), "parameters")
+    assert_same(optim_state_of(clean_opt), optim_state_of(opt), "optimizer state")
+    for m, o in ((clean, clean_opt), (model, opt)):
+        o.close()
+        tieroffload.close(m)

@@ -714,6 +714,31 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._ready.clear()
         self._used = None
 
+    def abandon_step(self) -> None:
+        """Forgets what a failed, torn or deferred step left undone (the deferred updates and
+        the gradients they took, a step to resume, a torn step, a failed store, state reads on
+        their way), for a load that replaces every chunk's state and the model's parameters:
+        none of it is to be applied, and a read that fails now (the bytes a disk error spoiled)
+        is of bytes about to be replaced."""
+        self.offload.settle_failed_backward()
+        if self.offload.grads is not None and self._pending:
+            self.offload.grads.clear(self.deferred_units())
+        for chunk in self.chunks:
+            chunk.host_grads, chunk.grads_event = None, None
+            if chunk.pending is not None:
+                try:
+                    self._wait(chunk, retry=False)
+                except Exception:  # of bytes the load that follows replaces
+                    pass
+        self._writing.clear()
+        self._pending.clear()
+        self._pending_clips, self._pending_fill = [], frozenset()
+        self._resume, self._torn, self._failed_store = False, [], None
+        self._stepped.clear()
+        self._ready.clear()
+        self._used = None
+        self.offload.pending_opts.discard(self)
+
     def grads_zeroed(self, ids: set[int]) -> None:
         """A zero_grad() outside this optimizer (``model.zero_grad()``, another optimizer's)
         cleared the gradients of the parameters ``ids``."""
@@ -849,7 +874,9 @@ class PagedOptimizer(torch.optim.Optimizer):
     def settle(self, units: list[Unit] | None = None) -> None:
         """Applies the deferred updates of the chunks that hold ``units`` (all: None), and
         frees the state of the last step's stores that are done (each forward acquire calls
-        this)."""
+        this). A backward that raised is settled first (see ``backward_failed``): a load
+        that follows a torn step then clears it, and is honoured."""
+        self.offload.settle_failed_backward()
         if self._writing and not self._settling:
             self._reap()
         if self._tail is not None and units is not None and torch.is_grad_enabled():
