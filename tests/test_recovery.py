@@ -1,4 +1,5 @@
-"""A way out after every failure: a refused hyperparameter, a checksum error, a torn step.
+"""A way out after every failure: a refused hyperparameter, a checksum error, a torn step;
+and offload's one-line errors for a wrong argument or a model offloaded twice over.
 
 Each case is compared bit for bit with a run that never met the failure (or, for a plain torch
 optimizer, with plain PyTorch meeting the same one), and ends with ``close()`` releasing
@@ -216,3 +217,33 @@ def test_a_load_after_a_checksum_error_restores_exactly(tmp_path, where):
     for m, o in ((clean, clean_opt), (model, opt)):
         o.close()
         tieroffload.close(m)
+
+
+@pytest.mark.parametrize("args, words", [
+    (lambda: (TinyGPT(), "nvme"), ["policy must be a tieroffload.Policy, not 'nvme'",
+                                   "Policy(params='nvme', nvme_dir="]),
+    (lambda: (TinyGPT(), "cpu"), ["not 'cpu'", "Policy(params='cpu')"]),
+    (lambda: (None,), ["model must be a torch.nn.Module, not NoneType"]),
+])
+def test_offload_of_a_wrong_argument_is_a_one_line_type_error_with_the_fix(args, words):
+    with pytest.raises(TypeError) as ei:
+        tieroffload.offload(*args())
+    msg = str(ei.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize("which", ["a submodule", "the parent"])
+def test_offloading_part_of_an_offloaded_model_again_is_refused_naming_a_parameter(which):
+    """offload() of a submodule of an offloaded model, or of the model around an offloaded
+    submodule: refused naming a parameter already offloaded, and nothing changes."""
+    model = TinyGPT()
+    inner = model.blocks[0]
+    first, second = (model, inner) if which == "a submodule" else (inner, model)
+    tieroffload.offload(first, tieroffload.Policy(params="cpu", device="cpu"))
+    with pytest.raises(ValueError, match=r"parameter '.*ln1.weight' is already offloaded "
+                                         r"with another module.*close\(\)"):
+        tieroffload.offload(second, tieroffload.Policy(params="cpu", device="cpu"))
+    assert getattr(second, "_tieroffload", None) is None
+    tieroffload.close(first)
+    tieroffload.close(tieroffload.offload(second, tieroffload.Policy(params="cpu",
+                                                                     device="cpu")))

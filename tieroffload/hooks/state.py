@@ -361,12 +361,32 @@ def offload(model: nn.Module, policy: BasePolicy | None = None, *,
             _io_delay: Callable[[], None] | None = None) -> nn.Module:
     """Pages ``model``'s parameters to ``policy.params`` and installs the hooks that bring them
     back ahead of use. Changes the model in place and returns it."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tieroffload.offload: model must be a torch.nn.Module, not "
+                        f"{type(model).__name__}")
+    if policy is not None and not isinstance(policy, BasePolicy):
+        hint = (f'Policy(params={policy!r}, nvme_dir="/mnt/nvme")' if policy == "nvme" else
+                f"Policy(params={policy!r})" if isinstance(policy, str) else "Policy(...)")
+        raise TypeError(f"tieroffload.offload: policy must be a tieroffload.Policy, not "
+                        f"{policy!r}: use tieroffload.offload(model, {hint})")
     if getattr(model, "_tieroffload", None) is not None:
         raise ValueError("model is already offloaded; tieroffload.close(model) first")
+    _check_not_offloaded_elsewhere(model)
     check_not_dispatched(model)
     state = OffloadState(model, policy or BasePolicy(), _io_delay)
     model._tieroffload = state
     return model
+
+
+def _check_not_offloaded_elsewhere(model: nn.Module) -> None:
+    """Refuses a model one of whose parameters an open ``offload`` of another module (one
+    that contains it, or that it contains) already pages."""
+    for name, p in model.named_parameters():
+        if any(id(p) in s.param_unit for s in list(live)):
+            raise ValueError(
+                f"tieroffload.offload: parameter {name!r} is already offloaded with another "
+                "module (one that contains this one, or one inside it): offload the whole "
+                "model once, or tieroffload.close() that module first")
 
 
 def _state(model: nn.Module) -> OffloadState:
