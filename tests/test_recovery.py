@@ -6,6 +6,7 @@ optimizer, with plain PyTorch meeting the same one), and ends with ``close()`` r
 everything. Helpers come from test_faults.py.
 """
 
+import contextlib
 import copy
 import os
 import threading
@@ -156,7 +157,7 @@ def _spoil(unit) -> str:
 
 
 def _checksum_failure(tmp_path, where: str):
-    """(clean model, its optimizer, model, optimizer, swap path): both trained 2 steps, the
+    """(clean model, its optimizer, model, optimizer, the unit): both trained 2 steps, the
     second model checkpointed to tmp_path/ckpt, then one byte of a unit (``where``: a
     parameter unit or an optimizer chunk's state) that is away spoiled and met by a step."""
     torch.manual_seed(0)
@@ -176,11 +177,11 @@ def _checksum_failure(tmp_path, where: str):
     unit = (opt.chunks[0].state_unit if where == "optimizer" else
             next(u for u in model._tieroffload.units if u.home is not None
                  and u.state.name == "AWAY"))
-    path = _spoil(unit)
+    _spoil(unit)
     with pytest.raises(OSError, match="checksum mismatch"):
         for s in (2, 3):
             train_step(model, opt, s)
-    return (*pairs[0], model, opt, path)
+    return (*pairs[0], model, opt, unit)
 
 
 @pytest.mark.parametrize("where", ["params", "optimizer"])
@@ -188,7 +189,8 @@ def test_close_after_a_checksum_error_releases_everything_and_raises_it_once(tmp
     """After a checksum error, close() raises it once (the restore cannot read the spoilt
     unit) and still removes the swap file, its descriptors and its threads."""
     fds, threads = open_fds(), threading.active_count()
-    clean, clean_opt, model, opt, path = _checksum_failure(tmp_path, where)
+    clean, clean_opt, model, opt, unit = _checksum_failure(tmp_path, where)
+    path = unit.home.swap.path
     clean_opt.close()
     tieroffload.close(clean)
     with pytest.raises(OSError, match="checksum mismatch"):
@@ -207,7 +209,7 @@ def test_close_after_a_checksum_error_releases_everything_and_raises_it_once(tmp
 def test_a_load_after_a_checksum_error_restores_exactly(tmp_path, where):
     """After a checksum error in a step, load_checkpoint of the checkpoint taken before it
     restores exactly: training on equals the run that never met the error."""
-    clean, clean_opt, model, opt, path = _checksum_failure(tmp_path, where)
+    clean, clean_opt, model, opt, _ = _checksum_failure(tmp_path, where)
     tieroffload.load_checkpoint(tmp_path / "ckpt", model, opt)
     for s in (2, 3, 4):
         for m, o in ((clean, clean_opt), (model, opt)):
@@ -247,3 +249,22 @@ def test_offloading_part_of_an_offloaded_model_again_is_refused_naming_a_paramet
     tieroffload.close(first)
     tieroffload.close(tieroffload.offload(second, tieroffload.Policy(params="cpu",
                                                                      device="cpu")))
+
+
+@pytest.mark.parametrize("where", ["params", "optimizer"])
+def test_a_checksum_error_names_the_tensor_the_file_and_the_offset(tmp_path, where):
+    """The EIO of a checksum mismatch names the unit and the tensors it holds (a parameter,
+    or a parameter's optimizer state and its kind), the swap file and the offset."""
+    clean, clean_opt, model, opt, unit = _checksum_failure(tmp_path, where)
+    path = unit.home.swap.path
+    tensor = "wte.weight exp_avg" if where == "optimizer" else unit.names[0]
+    assert tensor in dict(model.named_parameters()) or where == "optimizer"
+    with pytest.raises(OSError) as ei:
+        for s in (2, 3):
+            train_step(model, opt, s)
+    msg = str(ei.value)
+    assert "checksum mismatch" in msg and tensor in msg, msg
+    assert repr(path) in msg and f"at offset {unit.home.offset}" in msg, msg
+    for m in (clean, model):
+        with pytest.raises(OSError) if m is model else contextlib.nullcontext():
+            tieroffload.close(m)

@@ -416,12 +416,14 @@ class PagedOptimizer(torch.optim.Optimizer):
         """The tensors to page: the state's own objects (and the master parameters), whose
         storage paging may replace."""
         out = []
+        names = {id(p): n for u in chunk.units for n, p in zip(u.names, u.params)}
         for i, p in enumerate(chunk.params):
             q = chunk.inner_param(i)
             st = dict(chunk.inner.state.get(q, {}))
             if q is not p:
                 st["master"] = q
-            out += [(f"{i}.{k}", t) for k, t in sorted(st.items()) if isinstance(t, torch.Tensor)]
+            out += [(f"{names.get(id(p), i)} {k}", t) for k, t in sorted(st.items())
+                    if isinstance(t, torch.Tensor)]
         return out
 
     def _page_in(self, chunk: _Chunk) -> None:
