@@ -89,6 +89,33 @@ def test_a_bad_lr_with_overlap_backward_is_refused_before_any_chunk_steps(tmp_pa
     assert_same(runs["clean"][1], runs["bad"][1], "optimizer state")
 
 
+@pytest.mark.parametrize("opt_cls, kw", [(torch.optim.Adagrad, {}),
+                                         (torch.optim.SGD, dict(momentum=0.9))])
+def test_the_hyperparameter_check_leaves_other_classes_as_pytorch(opt_cls, kw):
+    """The check at step() probes with the optimizer's own class, whose constructor may make
+    state (Adagrad's sum): good values step as plain PyTorch, lr=None is refused."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model = tieroffload.offload(copy.deepcopy(ref), tieroffload.Policy(params="cpu",
+                                                                       device="cpu"))
+    opt_ref = opt_cls(ref.parameters(), lr=0.1, **kw)
+    opt = tieroffload.optimizer(model, opt_cls, lr=0.1, **kw)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    for step in range(3):
+        for m, o in ((ref, opt_ref), (model, opt)):
+            o.zero_grad()
+            m(x * step).square().sum().backward()
+            if step == 2 and o is opt:
+                o.param_groups[0]["lr"] = None
+                with pytest.raises(TypeError, match="refuses lr=None"):
+                    o.step()
+                o.param_groups[0]["lr"] = 0.1
+            o.step()
+    assert_same(params_of(ref), params_of(model), "parameters")
+    opt.close()
+    tieroffload.close(model)
+
+
 def test_a_plain_optimizer_step_that_raises_leaves_no_unit_pinned(tmp_path):
     """torch's AdamW over an offloaded model refuses lr=None at step(), after offload's step
     hook pinned every unit: the retry with lr fixed unpins them (they can leave again), and
