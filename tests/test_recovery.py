@@ -14,7 +14,17 @@ import threading
 import pytest
 import torch
 from models import TinyGPT
-from test_faults import KW, assert_same, batch, nvme_policy, optim_state_of, params_of, train_step
+from test_faults import (
+    KW,
+    assert_same,
+    batch,
+    nvme_policy,
+    optim_state_of,
+    params_of,
+    run_faulty,
+    train_step,
+)
+from test_faults import shim as shim  # noqa: F401 - the fault shim's fixture, used by name
 
 import tieroffload
 
@@ -295,3 +305,42 @@ def test_a_checksum_error_names_the_tensor_the_file_and_the_offset(tmp_path, whe
     for m in (clean, model):
         with pytest.raises(OSError) if m is model else contextlib.nullcontext():
             tieroffload.close(m)
+
+
+def test_close_after_a_persistent_read_error_releases_everything_and_raises_once(shim, tmp_path):
+    """Every read of the swap fails with EIO (a dying disk): the step meets it, and close()
+    raises it once while still removing the swap file, its descriptors and threads."""
+    out = run_faulty(shim, """
+        import threading
+        def fds():
+            return len(os.listdir("/proc/self/fd"))
+        before = (fds(), threading.active_count())
+        torch.manual_seed(0)
+        model = tieroffload.offload(TinyGPT(), Policy(
+            params="nvme", nvme_dir=os.environ["TMP_DIR"], device="cpu", cpu_budget="80KiB",
+            optimizer="nvme", io=THREADS))
+        opt = tieroffload.optimizer(model, torch.optim.AdamW, **KW)
+        path = model._tieroffload.swap.path
+        for step in range(2):
+            opt.zero_grad(); loss_of(model, step).backward(); opt.step()
+        arm(reads=-1)
+        errors = []
+        try:
+            for step in range(2, 4):
+                opt.zero_grad(); loss_of(model, step).backward(); opt.step()
+        except OSError as e:
+            errors.append(f"step: {e}")
+        for attempt in range(2):
+            try:
+                tieroffload.close(model)
+            except Exception as e:
+                errors.append(f"close: {type(e).__name__}: {e}")
+        disarm()
+        result(errors=errors, swap=os.path.exists(path),
+               leaked=[fds() - before[0], threading.active_count() - before[1]])
+    """, tmp_path)
+    errors = out["errors"]
+    assert errors[0].startswith("step: ") and "Errno 5" in errors[0], errors
+    closes = [e for e in errors if e.startswith("close: ")]
+    assert len(closes) == 2 and "Errno 5" in closes[0] and "not offloaded" in closes[1], errors
+    assert not out["swap"] and out["leaked"] == [0, 0], out
