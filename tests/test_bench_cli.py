@@ -72,6 +72,37 @@ def _gone(pid: int) -> bool:
         return True
 
 
+WORKERS = textwrap.dedent("""
+    from tieroffload.cli.bench.aggregate import _Workers
+    if __name__ == "__main__":
+        workers = _Workers(2)
+        print("ready", flush=True)
+        import time
+        time.sleep(300)
+""")
+
+
+def test_the_aggregate_workers_die_with_the_bench_when_it_is_killed():
+    """The spawned processes of --procs wait on a queue whose write end they hold too, so no
+    EOF tells them the bench died: killed outright, the bench takes them with it."""
+    bench = subprocess.Popen([sys.executable, "-c", WORKERS], stdout=subprocess.PIPE, text=True)
+    try:
+        assert bench.stdout.readline().strip() == "ready"
+        workers = [p.pid for p in psutil.Process(bench.pid).children()
+                   if "spawn_main" in " ".join(p.cmdline())]
+        assert len(workers) == 2, workers
+        bench.kill()
+        bench.wait(timeout=30)
+        deadline = time.monotonic() + 60  # a worker may still be importing torch
+        while not all(_gone(w) for w in workers):
+            assert time.monotonic() < deadline, "a worker outlived the bench"
+            time.sleep(0.1)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_a_child_process_dies_with_the_bench(sig):
     """The bench's children (fio) run through ``common.run_child``: a bench interrupted (its

@@ -57,9 +57,10 @@ stopping = threading.Event()  # set by Ctrl-C (main._on_interrupt)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _die_with(parent: int) -> Callable[[], None]:
-    """For ``preexec_fn``: in the child, before exec, SIGKILL when the bench dies (even by
-    SIGKILL, Linux's PR_SET_PDEATHSIG); where the bench is gone already, exit at once."""
+def die_with(parent: int) -> Callable[[], None]:
+    """Called in a child (``preexec_fn``, before exec; or first thing in a spawned worker):
+    SIGKILL when the bench, ``parent``, dies (even by SIGKILL, Linux's PR_SET_PDEATHSIG);
+    where it is gone already, exit at once."""
     def arm() -> None:
         try:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -75,7 +76,7 @@ def run_child(cmd: list[str]) -> subprocess.CompletedProcess:
     bench is interrupted (run kills it on any exception, KeyboardInterrupt included), and by
     the kernel where the bench is killed."""
     return subprocess.run(cmd, capture_output=True, text=True,
-                          preexec_fn=_die_with(os.getpid()))
+                          preexec_fn=die_with(os.getpid()))
 
 
 def check_dir(directory: str) -> None:
