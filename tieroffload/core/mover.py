@@ -163,8 +163,10 @@ class Mover:
         if unit.crc is None or crc_of(unit) == unit.crc:
             return
         home = unit.home
+        names = ", ".join(unit.names[:4]) + (f" and {len(unit.names) - 4} more"
+                                             if len(unit.names) > 4 else "")
         raise error_for(errno.EIO, f"checksum mismatch: the {unit.nbytes} bytes of "
-                        f"{unit.name!r} read back differ from those written",
+                        f"{unit.name!r} ({names}) read back differ from those written",
                         home.swap.path, home.offset)
 
     def _count(self, unit: Unit, write: bool) -> None:

@@ -55,7 +55,7 @@ class _Record:
     """One saved storage: in memory until written, then in the tier until read back."""
 
     __slots__ = ("seq", "nbytes", "padded", "source", "host", "offset", "write", "read",
-                 "restored", "pending", "refs", "dead", "crc", "__weakref__")
+                 "restored", "pending", "refs", "dead", "crc", "saved", "__weakref__")
 
     def __init__(self, seq: int, source: torch.UntypedStorage, padded: int) -> None:
         self.seq = seq
@@ -71,6 +71,8 @@ class _Record:
         self.refs = 0     # live handles
         self.dead = False
         self.crc: int | None = None  # of the bytes written (Policy(checksum=True))
+        # The first tensor saved into it: while it lives, so does the storage (see _live).
+        self.saved: weakref.ref[torch.Tensor] | None = None
 
 
 class _Handle:
@@ -168,6 +170,7 @@ class ActivationPager:
                 "with activations=None")
         with self._lock:
             self._order = [r for r in self._order if r() is not None]
+            self._by_storage.clear()  # dedupe within one forward
             self._param_ids = {storage_key(p.untyped_storage()) for p in self.params()}
         self._hooks = _Hooks(self)
         self._hooks.ctx.__enter__()
@@ -197,6 +200,7 @@ class ActivationPager:
             record = self._live(key)
             if record is None:
                 record = self._page_out(storage)
+                record.saved = weakref.ref(t)
                 self._by_storage[key] = weakref.ref(record)
             handle = _Handle(self, record, t)
             self.stats.offloaded += 1
@@ -239,10 +243,19 @@ class ActivationPager:
         return storage.nbytes() >= self.threshold and storage_key(storage) not in self._param_ids
 
     def _live(self, key: tuple[int, int]) -> _Record | None:
-        """The record of a storage saved earlier in this forward whose bytes are still ours."""
+        """The record of a storage saved earlier in this forward, unchanged since (the key has
+        its version): while its write is on its way the record holds the storage, after it
+        the first tensor saved into it must still live (else the address may be another
+        storage's now). A storage saved twice is paged once either way, so that each step
+        pages the same records however fast the writes are: the swap space stays flat."""
         ref = self._by_storage.get(key)
         r = ref() if ref is not None else None
-        return None if r is None or r.source is None or r.dead else r
+        if r is None or r.dead:
+            return None
+        if r.source is not None:
+            return r
+        t = r.saved() if r.saved is not None else None
+        return r if t is not None and t.untyped_storage().data_ptr() == key[0] else None
 
     def _padded(self, n: int) -> int:
         align = self.swap.align if self.swap is not None else 4096

@@ -240,6 +240,24 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
             self.scheduler.release(units)
             self.scheduler.trim()
 
+    @contextlib.contextmanager
+    def loading(self, optimizer: Any = None) -> Iterator[None]:
+        """Around a load that replaces every parameter (``load_checkpoint``) and, where one is
+        given, every state of a paged ``optimizer``: what a failed step left undone is dropped
+        (``abandon_step``), and units that are away come in without a read, as their bytes
+        (maybe the ones a disk error spoiled) are all replaced. A load after a failed read,
+        a failed step or a torn one then restores exactly."""
+        if getattr(optimizer, "_tieroffload_paged", False):
+            optimizer.abandon_step()
+        away = [u for u in self.units if u.state is State.AWAY and u.initialized]
+        for u in away:
+            u.initialized = False  # no read: see Scheduler._start_fetch
+        try:
+            yield
+        finally:
+            for u in away:
+                u.initialized = True
+
     def memory(self) -> dict[str, int]:
         """This process's resident memory, every byte of it given to one holder: ``params``,
         ``grads``, ``optimizer`` (state and masters), ``staging`` (the movers' and the host
@@ -286,15 +304,25 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
 
     def close(self, restore: bool = True) -> None:
         """Removes the hooks and the swap space. With ``restore`` the parameters are made
-        resident first, so the model goes on as a plain model."""
+        resident first, so the model goes on as a plain model. Everything is released even
+        where a part fails (a deferred update or a unit that cannot be read back, after a
+        disk error): the first error is raised once, after; the model is then closed."""
+        failed: list[Exception] = []
+
+        def attempt(part: Callable[[], Any]) -> None:
+            try:
+                part()
+            except Exception as e:
+                failed.append(e)
+
         self.cores.give_back()
         if restore:
-            self.settle()
+            attempt(self.settle)
         for opt in list(self.optimizers):
-            opt.close(apply=False)  # applied above where the model is restored
+            attempt(lambda opt=opt: opt.close(apply=False))  # applied above if restoring
         self.pending_opts.clear()
         if restore and self.mover is not None:
-            self.scheduler.acquire(self.units, force=True, record=False)
+            attempt(lambda: self.scheduler.acquire(self.units, force=True, record=False))
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -302,28 +330,30 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
             undo()
         self._undo.clear()
         if self.grads is not None:
-            self.grads.close()
+            attempt(self.grads.close)
         if self.scheduler is not None:
-            self.scheduler.drain()
+            attempt(self.scheduler.drain)
         if self.mover is not None:
-            self.mover.close()
+            attempt(self.mover.close)
             self.mover = None
         if self.scheduler is not None:
             self.scheduler.pool.clear()
         if self.activations is not None:
-            self.activations.close()
+            attempt(self.activations.close)
             self.activations = None
         for u in self.units:
             if u.home is not None:
                 u.home.release()
                 u.home = None
         if self.swap is not None:
-            self.swap.close()
+            attempt(self.swap.close)
             self.swap = None
         if self.engine is not None:
-            self.engine.close()
+            attempt(self.engine.close)
             self.engine = None
         live.discard(self)
+        if failed:
+            raise failed[0]
 
 
 
@@ -331,12 +361,32 @@ def offload(model: nn.Module, policy: BasePolicy | None = None, *,
             _io_delay: Callable[[], None] | None = None) -> nn.Module:
     """Pages ``model``'s parameters to ``policy.params`` and installs the hooks that bring them
     back ahead of use. Changes the model in place and returns it."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tieroffload.offload: model must be a torch.nn.Module, not "
+                        f"{type(model).__name__}")
+    if policy is not None and not isinstance(policy, BasePolicy):
+        hint = (f'Policy(params={policy!r}, nvme_dir="/mnt/nvme")' if policy == "nvme" else
+                f"Policy(params={policy!r})" if isinstance(policy, str) else "Policy(...)")
+        raise TypeError(f"tieroffload.offload: policy must be a tieroffload.Policy, not "
+                        f"{policy!r}: use tieroffload.offload(model, {hint})")
     if getattr(model, "_tieroffload", None) is not None:
         raise ValueError("model is already offloaded; tieroffload.close(model) first")
+    _check_not_offloaded_elsewhere(model)
     check_not_dispatched(model)
     state = OffloadState(model, policy or BasePolicy(), _io_delay)
     model._tieroffload = state
     return model
+
+
+def _check_not_offloaded_elsewhere(model: nn.Module) -> None:
+    """Refuses a model one of whose parameters an open ``offload`` of another module (one
+    that contains it, or that it contains) already pages."""
+    for name, p in model.named_parameters():
+        if any(id(p) in s.param_unit for s in list(live)):
+            raise ValueError(
+                f"tieroffload.offload: parameter {name!r} is already offloaded with another "
+                "module (one that contains this one, or one inside it): offload the whole "
+                "model once, or tieroffload.close() that module first")
 
 
 def _state(model: nn.Module) -> OffloadState:
@@ -383,8 +433,11 @@ def materialize(model: nn.Module, writeback: bool = False) -> Iterator[nn.Module
 def close(model: nn.Module, restore: bool = True) -> None:
     """Undoes ``offload``: removes hooks, closes its paged optimizers and deletes the swap space
     (see OffloadState.close)."""
-    _state(model).close(restore)
-    model._tieroffload = None
+    state = _state(model)
+    try:
+        state.close(restore)
+    finally:  # closed even where it raised (see OffloadState.close)
+        model._tieroffload = None
 
 
 @atexit.register

@@ -47,6 +47,9 @@ class StepHooks:
         global _warned_step
         if self.mover is None:  # nothing is offloaded
             return
+        stale = self._opt_pins.pop(id(optimizer), None)
+        if stale is not None:  # its last step raised (lr=None): torch ran no post hook
+            self.scheduler.release(stale[0])
         units = {self.param_unit[id(p)].id: self.param_unit[id(p)]
                  for g in optimizer.param_groups for p in g["params"] if id(p) in self.param_unit}
         if not units:

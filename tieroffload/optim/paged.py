@@ -29,6 +29,7 @@ from ..core.mover import NBUF, Mover, Ticket, timed_wait
 from ..core.units import State, Unit
 from ..hooks.state import OffloadState, _state
 from ..utils.dist import world_size
+from .hyper import HyperCheck
 from .loss_scale import LossScale
 from .state_check import Entry, check_groups, check_loss_scale, check_state
 
@@ -117,8 +118,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         if opt_cls in (torch.optim.Adam, torch.optim.AdamW) and not (
                 {"fused", "foreach", "differentiable"} & set(kwargs)):
             kwargs["fused"] = True
-        probe = opt_cls([nn.Parameter(torch.zeros(1, device=self.host))], **kwargs)
-        super().__init__(self._local_params(model, params), dict(probe.defaults))
+        hyper = HyperCheck(opt_cls, kwargs, self.host)
+        super().__init__(self._local_params(model, params), dict(hyper.opt.defaults))
+        self.hyper = hyper  # refuses at step() what opt_cls's step would refuse later
         self._ids = frozenset(id(p) for g in self.param_groups for p in g["params"])
         self._check_in_model()
         if self.offload.grads is not None:
@@ -415,12 +417,14 @@ class PagedOptimizer(torch.optim.Optimizer):
         """The tensors to page: the state's own objects (and the master parameters), whose
         storage paging may replace."""
         out = []
+        names = {id(p): n for u in chunk.units for n, p in zip(u.names, u.params)}
         for i, p in enumerate(chunk.params):
             q = chunk.inner_param(i)
             st = dict(chunk.inner.state.get(q, {}))
             if q is not p:
                 st["master"] = q
-            out += [(f"{i}.{k}", t) for k, t in sorted(st.items()) if isinstance(t, torch.Tensor)]
+            out += [(f"{names.get(id(p), i)} {k}", t) for k, t in sorted(st.items())
+                    if isinstance(t, torch.Tensor)]
         return out
 
     def _page_in(self, chunk: _Chunk) -> None:
@@ -569,6 +573,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         if error is not None:
             raise error
         resuming = self._resume
+        if not resuming:  # before anything is taken, as torch's step refuses them
+            self.hyper.check(self.param_groups)
         self.settle()  # what a previous step left, before new gradients are taken
         if resuming:  # this call retries a step that failed part way: it is now complete
             self._resume = False
@@ -661,7 +667,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         if len(ready) < len(chunk.units):
             return True
         del self._ready[i]
-        if not self._stepped:
+        if not self._stepped:  # refused before the first chunk steps: nothing is torn
+            self.hyper.check(self.param_groups)
             self._used = self._hyperparameters()
         self._sync_groups(chunk, self._used)
         with torch.no_grad():
@@ -709,6 +716,31 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._stepped.clear()
         self._ready.clear()
         self._used = None
+
+    def abandon_step(self) -> None:
+        """Forgets what a failed, torn or deferred step left undone (the deferred updates and
+        the gradients they took, a step to resume, a torn step, a failed store, state reads on
+        their way), for a load that replaces every chunk's state and the model's parameters:
+        none of it is to be applied, and a read that fails now (the bytes a disk error spoiled)
+        is of bytes about to be replaced."""
+        self.offload.settle_failed_backward()
+        if self.offload.grads is not None and self._pending:
+            self.offload.grads.clear(self.deferred_units())
+        for chunk in self.chunks:
+            chunk.host_grads, chunk.grads_event = None, None
+            if chunk.pending is not None:
+                try:
+                    self._wait(chunk, retry=False)
+                except Exception:  # of bytes the load that follows replaces
+                    pass
+        self._writing.clear()
+        self._pending.clear()
+        self._pending_clips, self._pending_fill = [], frozenset()
+        self._resume, self._torn, self._failed_store = False, [], None
+        self._stepped.clear()
+        self._ready.clear()
+        self._used = None
+        self.offload.pending_opts.discard(self)
 
     def grads_zeroed(self, ids: set[int]) -> None:
         """A zero_grad() outside this optimizer (``model.zero_grad()``, another optimizer's)
@@ -845,7 +877,9 @@ class PagedOptimizer(torch.optim.Optimizer):
     def settle(self, units: list[Unit] | None = None) -> None:
         """Applies the deferred updates of the chunks that hold ``units`` (all: None), and
         frees the state of the last step's stores that are done (each forward acquire calls
-        this)."""
+        this). A backward that raised is settled first (see ``backward_failed``): a load
+        that follows a torn step then clears it, and is honoured."""
+        self.offload.settle_failed_backward()
         if self._writing and not self._settling:
             self._reap()
         if self._tail is not None and units is not None and torch.is_grad_enabled():

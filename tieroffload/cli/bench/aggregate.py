@@ -13,11 +13,14 @@ from typing import Any
 from tqdm import tqdm
 
 from ...aio.throughput import bench_paths, run_files
+from . import common
 
 
-def _agg_worker(rank: int, barrier: Any, tasks: Any, results: Any) -> None:
+def _agg_worker(rank: int, barrier: Any, tasks: Any, results: Any, parent: int) -> None:
     """A spawned process: runs the tasks it is sent until None; a failure breaks the barrier
-    so that the others stop too, and is sent back as text (aio's errors do not all pickle)."""
+    so that the others stop too, and is sent back as text (aio's errors do not all pickle).
+    It dies with the bench (it holds its task queue's write end too: no EOF would come)."""
+    common.die_with(parent)()
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         while (task := tasks.get()) is not None:
@@ -41,7 +44,7 @@ class _Workers:
         # Kept here: the children unpickle its semaphores after start() returns.
         self.barrier = ctx.Barrier(procs)
         self.procs = [ctx.Process(target=_agg_worker, args=(r, self.barrier, self.tasks[r],
-                                                             self.results),
+                                                             self.results, os.getpid()),
                                   name=f"tieroffload-bench-{r}", daemon=True)
                       for r in range(procs)]
         for p in self.procs:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import shutil
+import signal
+import subprocess
 import threading
+from typing import Callable
 
 from ... import aio
 from ...aio import swap
@@ -50,6 +54,29 @@ def format_size(n: int) -> str:
 
 
 stopping = threading.Event()  # set by Ctrl-C (main._on_interrupt)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with(parent: int) -> Callable[[], None]:
+    """Called in a child (``preexec_fn``, before exec; or first thing in a spawned worker):
+    SIGKILL when the bench, ``parent``, dies (even by SIGKILL, Linux's PR_SET_PDEATHSIG);
+    where it is gone already, exit at once."""
+    def arm() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):  # not Linux: Ctrl-C's kill in run_child remains
+            return
+        if os.getppid() != parent:
+            os._exit(1)
+    return arm
+
+
+def run_child(cmd: list[str]) -> subprocess.CompletedProcess:
+    """``subprocess.run`` of a child (fio) that never outlives the bench: killed where the
+    bench is interrupted (run kills it on any exception, KeyboardInterrupt included), and by
+    the kernel where the bench is killed."""
+    return subprocess.run(cmd, capture_output=True, text=True,
+                          preexec_fn=die_with(os.getpid()))
 
 
 def check_dir(directory: str) -> None:

@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -105,8 +104,9 @@ def _measure_fio(scratch: Scratch, cap_s: float, p: Point) -> tuple[int, float]:
            f"--rw={p.direction}",
            f"--bs={p.block_size}", f"--iodepth={p.queue_depth}", "--ioengine=io_uring",
            f"--direct={int(scratch.direct)}", f"--size={scratch.size}", "--allow_file_create=0",
-           f"--runtime={max(1, int(cap_s * 1000))}ms", "--output-format=json"]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+           f"--runtime={max(1, int(cap_s * 1000))}ms", "--output-format=json",
+           "--thread"]  # its job a thread, not a process of its own: it dies with fio
+    out = common.run_child(cmd)
     if out.returncode != 0:
         why = (out.stderr.strip() or out.stdout.strip() or f"exit code {out.returncode}")
         raise FioFailed(f"fio failed: {why.splitlines()[-1]}")

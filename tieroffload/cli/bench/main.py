@@ -10,16 +10,35 @@ import sys
 from typing import Any
 
 from .common import DEFAULT_SIZE, QUICK_SIZE, BenchError, format_size, stopping
-from .nvme import run_nvme
 from .report import figure, format_table, plot
+
+EXTRA = "pip install 'tieroffload[bench]'"  # tqdm, aiofiles, matplotlib
 
 
 def _check_output(flag: str, path: str | None) -> None:
-    """A missing output folder fails now, not after minutes of measuring."""
-    if path is not None:
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise BenchError(f"{flag} {path}: no such directory {parent}")
+    """An output path that cannot be written (a missing or read-only folder, a folder at the
+    path) fails now, not after minutes of measuring."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise BenchError(f"{flag} {path}: no such directory {parent}")
+    if os.path.isdir(path):
+        raise BenchError(f"{flag} {path}: is a directory; give a file name in it")
+    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+        raise BenchError(f"{flag} {path}: not writable")
+
+
+def _run_nvme() -> Any:
+    """``run_nvme``, whose import needs the ``bench`` extra: missing, a one-line error."""
+    try:
+        from .nvme import run_nvme
+    except ImportError as e:
+        if e.name not in ("tqdm", "aiofiles"):
+            raise
+        raise BenchError(f"nvme needs the bench extra ({e.name} is not installed): "
+                         f"{EXTRA}") from None
+    return run_nvme
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tieroffload-bench",
         description="Measures the disk (fio), tieroffload on it and the alternatives, side by "
-                    "side, and says which I/O settings to use.")
+                    f"side, and says which I/O settings to use. Needs the bench extra: {EXTRA}.")
     sub = parser.add_subparsers(dest="command", required=True)
     nvme = sub.add_parser(
         "nvme", help="sequential O_DIRECT read/write sweep of one scratch file",
@@ -64,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         _check_output("--plot", args.plot)
         if args.plot:
             figure()  # matplotlib missing fails now, not after minutes of measuring
+        run_nvme = _run_nvme()
         result = run_nvme(args.dir, args.size, quick=args.quick, repeats=args.repeats,
                           procs=args.procs)
         if stopping.is_set():

@@ -123,7 +123,7 @@ def figure(**kw: Any) -> Any:
         from matplotlib.figure import Figure
     except ImportError:
         raise BenchError("--plot needs matplotlib, which is not installed "
-                         "(pip install matplotlib)") from None
+                         "(pip install matplotlib, or pip install 'tieroffload[bench]')") from None
     fig = Figure(**kw)
     FigureCanvasAgg(fig)
     return fig
