@@ -239,9 +239,6 @@ def test_close_after_a_checksum_error_releases_everything_and_raises_it_once(tmp
     assert open_fds() == fds and threading.active_count() == threads
 
 
-@pytest.mark.xfail(strict=True, reason="load_checkpoint must fill the model inside "
-                   "OffloadState.loading(optimizer): tieroffload/checkpoint/store.py is "
-                   "another change's (see the report of this branch)")
 @pytest.mark.parametrize("where", ["params", "optimizer"])
 def test_a_load_after_a_checksum_error_restores_exactly(tmp_path, where):
     """After a checksum error in a step, load_checkpoint of the checkpoint taken before it

@@ -36,6 +36,7 @@ parameter with no state saved (a checkpoint from before the first step) starts a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
@@ -245,7 +246,9 @@ def _load(ck: _Opened, meta: dict[str, Any], model: nn.Module,
         t.copy_(host)
 
     try:
-        with torch.no_grad():
+        # ``loading``: what a failed step left is dropped, and units come in without a read
+        with (state.loading(optimizer) if state is not None else contextlib.nullcontext()), \
+                torch.no_grad():
             if state is not None:
                 for u in state.units:
                     with state.resident([u], writeback=state.mover is not None):
