@@ -166,8 +166,9 @@ def heap() -> tuple[int, int]:
 
 
 def rss_parts() -> dict[str, int]:
-    """The resident set split as Linux counts it: anonymous memory and mapped files (code,
-    shared memory included); zeros where /proc is missing."""
+    """The resident set split as Linux counts it, from one reading: ``rss`` = ``anon``
+    (anonymous memory) + ``files`` (mapped files: code, shared memory included), exactly;
+    where /proc is missing, ``rss`` is psutil's and all of it ``anon``."""
     keys = ("RssAnon", "RssFile", "RssShmem")
     try:
         with open("/proc/self/status") as f:
@@ -175,7 +176,11 @@ def rss_parts() -> dict[str, int]:
             got = {k: int(v.split()[0]) * 1024 for k, v in pairs if k in keys}
     except OSError:
         got = {}
-    return {"anon": got.get("RssAnon", 0), "files": got.get("RssFile", 0) + got.get("RssShmem", 0)}
+    if len(got) < len(keys):
+        total = psutil.Process().memory_info().rss
+        return {"rss": total, "anon": total, "files": 0}
+    anon, files = got["RssAnon"], got["RssFile"] + got["RssShmem"]
+    return {"rss": anon + files, "anon": anon, "files": files}
 
 
 def peak(device: torch.device) -> int:
