@@ -107,3 +107,76 @@ def test_a_window_counts_since_its_reset_and_its_peaks_are_its_own(tmp_path):
     assert empty["peak_rss"] >= empty["memory"]["rss"]
     opt.close()
     tieroffload.close(model, restore=False)
+
+
+def _monitored_run(tmp_path, steps=3, trace_steps=(), writers=None, activations=True):
+    """Trains a small GPT with everything on NVMe under a monitor; returns the records and,
+    per step, the difference of the cumulative stats() across it."""
+    from tieroffload.monitor import CSVWriter, JSONLinesWriter, TensorBoardWriter
+
+    torch.manual_seed(0)
+    model = GPT(97, 64, 3, 4, 16)
+    kw = dict(activations="nvme", activation_threshold=1024) if activations else {}
+    (tmp_path / "swap").mkdir()
+    tieroffload.offload(model, _nvme_policy(tmp_path / "swap", **kw))
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    if writers is None:
+        writers = [CSVWriter(tmp_path / "run.csv"), JSONLinesWriter(tmp_path / "run.jsonl"),
+                   TensorBoardWriter(tmp_path / "tb")]
+    mon = tieroffload.Monitor(model, opt, writers=writers, trace_steps=trace_steps,
+                              trace_dir=tmp_path, disk=(2.0, 1.0))
+    records, deltas = [], []
+    before = tieroffload.stats(model)
+    for i in range(steps):
+        loss = _step(model, opt, i)
+        records.append(mon.step(loss=loss))
+        after = tieroffload.stats(model)
+        deltas.append({d: {t: {k: after["io"][d][t][k] - before["io"][d][t][k] for k in KINDS}
+                           for t in TIERS} for d in ("read", "written")})
+        before = after
+    mon.close()
+    opt.close()
+    tieroffload.close(model, restore=False)
+    return records, deltas
+
+
+def test_monitor_records_each_step_and_the_csv_jsonl_and_tensorboard_read_back_exact(tmp_path):
+    import csv
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    records, deltas = _monitored_run(tmp_path)
+    with open(tmp_path / "run.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    lines = [json.loads(s) for s in (tmp_path / "run.jsonl").read_text().splitlines()]
+    ea = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    ea.Reload()
+    assert [r["step"] for r in records] == [1, 2, 3] and len(rows) == len(lines) == 3
+    for rec, row, line, delta in zip(records, rows, lines, deltas):
+        assert line == rec
+        for d in ("read", "written"):
+            for t in TIERS:
+                for k in KINDS:
+                    key = f"{d}_{t}_{k}"
+                    # the bytes of the step, as stats() counts them, to the byte everywhere
+                    assert rec[key] == delta[d][t][k], key
+                    assert int(row[key]) == rec[key], key
+                    tb = ea.Tensors(f"io/{key}")[rec["step"] - 1]
+                    assert tb.step == rec["step"]
+                    assert tensor_util.make_ndarray(tb.tensor_proto).item() == rec[key], key
+                assert rec[f"{d}_{t}"] == sum(rec[f"{d}_{t}_{k}"] for k in KINDS)
+        assert rec["read_nvme_params"] > 0 and rec["written_nvme_grads"] > 0
+        assert rec["read_nvme_activations"] > 0
+        # the paged optimizer applies a step's update in the next forward, writing its state
+        assert (rec["written_nvme_optimizer"] > 0) == (rec["step"] > 1)
+        assert rec["forward_s"] > 0 and rec["backward_s"] > 0 and rec["optimizer_s"] > 0
+        assert rec["forward_s"] + rec["backward_s"] + rec["optimizer_s"] <= rec["wall_s"]
+        assert rec["wait_s"] == sum(rec[f"wait_{k}_s"] for k in KINDS)
+        assert rec["disk_read_gbps"] == 2.0 and rec["lr"] == 1e-3
+        assert float(row["loss"]) == rec["loss"] and rec["loss"] > 0
+        assert rec["hits"] + rec["late"] + rec["misses"] > 0
+        parts = [rec[k] for k in rec if k.startswith("mem_")]
+        assert min(parts) >= 0 and sum(parts) == rec["rss"] <= rec["peak_rss"]
+        assert 0 < rec["peak_resident"] <= 96 << 10

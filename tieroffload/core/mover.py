@@ -162,12 +162,12 @@ class Mover:
         summed = self.checksum and unit.home.tier == "nvme"
         if summed and write:
             unit.crc = crc_of(unit)
-        ev = timeline.io_started(unit.kind, unit.home.tier, write, unit.nbytes)
+        t0 = time.perf_counter()
         with timeline.ranged(f"tieroffload.{'write' if write else 'read'}.{unit.kind}"):
             (unit.home.store if write else unit.home.load)(unit, self)
-        timeline.io_done(ev)
         if summed and not write:
             self.verify(unit)
+        timeline.io(unit.kind, unit.home.tier, write, unit.nbytes, t0, time.perf_counter())
         self._count(unit, write)
 
     def verify(self, unit: Unit) -> None:
@@ -194,7 +194,7 @@ class Mover:
             unit.crc = crc_of(unit)
         io = home.swap.file.pwrite if write else home.swap.file.pread
         verify = (lambda: self.verify(unit)) if self.checksum and not write else None
-        ev = timeline.io_started(unit.kind, home.tier, write, unit.nbytes)
+        ev = timeline.io(unit.kind, home.tier, write, unit.nbytes)
         future = io(unit.flat, home.offset)
         if ev is not None:
             future.add_done_callback(lambda f: timeline.io_done(ev))
@@ -211,7 +211,7 @@ class Mover:
             try:
                 if self.delay is not None:
                     self.delay()
-                ev = None if ticket.io is None else timeline.io_started(*ticket.io)
+                t0 = time.perf_counter()
                 if self.cuda:
                     with torch.cuda.stream(self.stream):
                         self.stream.wait_event(ready)
@@ -220,7 +220,8 @@ class Mover:
                         ticket.cuda_event.record(self.stream)
                 else:
                     fn()
-                timeline.io_done(ev)
+                if ticket.io is not None:  # counted where it was submitted
+                    timeline.io(*ticket.io, t0, time.perf_counter())
             except BaseException as e:  # handed to whoever waits on the ticket
                 ticket.finish(e)
             else:

@@ -32,15 +32,17 @@ class Timeline:
         return ev
 
 
-def io_started(kind: str, tier: str, write: bool, nbytes: int) -> dict[str, Any] | None:
-    """Records the start of a read or write on the active timeline (None when there is none);
-    ``io_done`` records its end."""
+def io(kind: str, tier: str, write: bool, nbytes: int, start: float | None = None,
+       end: float | None = None) -> dict[str, Any] | None:
+    """Records a read or write on the active timeline (None when there is none), started at
+    ``start`` (now if None); one still in flight (``end`` None) ends at ``io_done``. Call it
+    where the bytes are counted in the stats, so that a step's events add up to its bytes."""
     tl = ACTIVE
     if tl is None:
         return None
     verb = "write" if write else "read"
-    return tl.add(f"{verb} {kind}", "io", "io", time.perf_counter(), None, kind=kind,
-                  tier=tier, bytes=nbytes, direction=verb)
+    return tl.add(f"{verb} {kind}", "io", "io", time.perf_counter() if start is None else start,
+                  end, kind=kind, tier=tier, bytes=nbytes, direction=verb)
 
 
 def io_done(ev: dict[str, Any] | None) -> None:
