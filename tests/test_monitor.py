@@ -180,3 +180,54 @@ def test_monitor_records_each_step_and_the_csv_jsonl_and_tensorboard_read_back_e
         parts = [rec[k] for k in rec if k.startswith("mem_")]
         assert min(parts) >= 0 and sum(parts) == rec["rss"] <= rec["peak_rss"]
         assert 0 < rec["peak_resident"] <= 96 << 10
+
+
+def test_a_traced_step_is_a_chrome_trace_whose_io_adds_up_to_the_bytes_moved(tmp_path):
+    import json
+
+    records, _ = _monitored_run(tmp_path, steps=3, trace_steps=[2], writers=[])
+    assert not (tmp_path / "trace_step1.json").exists()
+    trace = json.loads((tmp_path / "trace_step2.json").read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    lanes = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    for e in events:
+        assert {"name", "cat", "ts", "dur", "pid", "tid"} <= e.keys() and e["dur"] >= 0
+    rec = records[1]
+    io = [e for e in events if e["cat"] == "io"]
+    assert all(lanes[e["tid"]].startswith("io ") for e in io)
+    for d, verb in (("read", "read"), ("written", "write")):
+        for k in KINDS:
+            moved = sum(rec[f"{d}_{t}_{k}"] for t in TIERS)
+            traced = sum(e["args"]["bytes"] for e in io
+                         if e["args"]["kind"] == k and e["args"]["direction"] == verb)
+            assert traced == moved, (d, k)
+    names = {e["name"] for e in events}
+    assert {"forward", "backward", "forward blocks.0", "backward blocks.0"} <= names
+    assert any(e["cat"] == "wait" for e in events)
+    # On one lane, two events are apart or one holds the other: never half over each other.
+    by_lane: dict[int, list] = {}
+    for e in events:
+        by_lane.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in by_lane.values():
+        spans.sort(key=lambda s: (s[0], -s[1]))
+        open_ends: list[float] = []
+        for a, b in spans:
+            while open_ends and open_ends[-1] <= a + 1e-3:
+                open_ends.pop()
+            assert not open_ends or b <= open_ends[-1] + 1e-3, (a, b, open_ends)
+            open_ends.append(b)
+
+
+def test_io_and_waits_show_as_record_function_ranges_in_a_torch_profile(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(97, 64, 3, 4, 16)
+    tieroffload.offload(model, _nvme_policy(tmp_path))
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    _step(model, opt, 0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _step(model, opt, 1)
+    names = {e.key for e in prof.key_averages()}
+    assert "tieroffload.wait.params" in names
+    opt.close()
+    tieroffload.close(model, restore=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -32,6 +33,8 @@ class StepTracer:
         self._handles: list[Any] = []
         self._open: dict[int, list[dict[str, Any]]] = {}  # module id -> its forwards open
         self._bwd_open: list[dict[str, Any]] = []  # backward spans with no end seen yet
+        # id(tensor) -> (the tensor, weakly; span ends; span starts) run by its one hook
+        self._grad_fns: dict[int, tuple[weakref.ref, list, list]] = {}
         for name, module in model.named_modules():
             name = name or "<root>"
             self._handles.append(module.register_forward_pre_hook(self._pre(name)))
@@ -61,14 +64,36 @@ class StepTracer:
                     self._watch_backward(ev["args"]["module"], outs, ins)
         return hook
 
+    def _on_grad(self, t: torch.Tensor, fn: Callable[[], None], start: bool) -> None:
+        """Runs ``fn`` when ``t``'s gradient is computed. One hook per tensor runs the ends of
+        the spans that wait on it (innermost module first) before the starts (outermost
+        first): a tensor both one module's input and another's output ends the one before
+        the other begins, and a module starts before the modules inside it."""
+        entry = self._grad_fns.get(id(t))
+        if entry is None or entry[0]() is not t:
+            entry = (weakref.ref(t), [], [])
+            self._grad_fns[id(t)] = entry
+            ends, starts = entry[1], entry[2]
+
+            def hook(grad: torch.Tensor) -> None:
+                for f in ends:
+                    f()
+                for f in reversed(starts):
+                    f()
+
+            h = t.register_hook(hook)
+            if isinstance(t, nn.Parameter):  # outlives the step: removed by finish
+                self._handles.append(h)
+        (entry[2] if start else entry[1]).append(fn)
+
     def _watch_backward(self, name: str, outs: list[torch.Tensor],
                         ins: list[torch.Tensor]) -> None:
         """A span from the first gradient reaching ``outs`` to the last of ``ins`` (see
-        ``hooks.passes._hook_backward``); hooks on parameters are removed by ``finish``."""
+        ``hooks.passes._hook_backward``)."""
         nodes = [grad_node(t) for t in ins]
         state: dict[str, Any] = {"task": None, "left": 0, "ev": None}
 
-        def first(grad: torch.Tensor) -> None:
+        def first() -> None:
             if state["task"] == graph_task() or timeline.ACTIVE is not self.timeline:
                 return
             state["task"], state["left"] = graph_task(), sum(map(will_execute, nodes))
@@ -78,7 +103,7 @@ class StepTracer:
             if len(self._bwd_open) == 1:
                 at_backward_end(self._close_backward)
 
-        def each_input(grad: torch.Tensor) -> None:
+        def each_input() -> None:
             if state["task"] == graph_task() and state["left"] > 0:
                 state["left"] -= 1
                 if state["left"] == 0 and state["ev"] is not None:
@@ -86,11 +111,9 @@ class StepTracer:
                     self._bwd_open.remove(state["ev"])
 
         for t in outs:
-            t.register_hook(first)
+            self._on_grad(t, first, start=True)
         for t in ins:
-            h = t.register_hook(each_input)
-            if isinstance(t, nn.Parameter):
-                self._handles.append(h)
+            self._on_grad(t, each_input, start=False)
 
     def _close_backward(self) -> None:
         """Spans whose end no gradient showed end with the backward pass."""
@@ -106,6 +129,7 @@ class StepTracer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._grad_fns.clear()
         write_chrome_trace(self.timeline, path, step)
 
 
