@@ -231,3 +231,43 @@ def test_io_and_waits_show_as_record_function_ranges_in_a_torch_profile(tmp_path
     assert "tieroffload.wait.params" in names
     opt.close()
     tieroffload.close(model, restore=False)
+
+
+def test_a_trainer_callback_writes_one_record_per_step_with_the_logged_loss(tmp_path):
+    import csv
+
+    transformers = __import__("pytest").importorskip("transformers")
+    from tieroffload.monitor import CSVWriter
+    from tieroffload.monitor.callback import MonitorCallback
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, i):
+            ids = torch.arange(i, i + 12) % 100
+            return {"input_ids": ids, "labels": ids}
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+        attn_implementation="eager"))
+    (tmp_path / "swap").mkdir()
+    tieroffload.offload(model, tieroffload.Policy(params="nvme", nvme_dir=str(tmp_path / "swap"),
+                                                  device="cpu", cpu_budget=64 << 10))
+    cb = MonitorCallback(writers=[CSVWriter(tmp_path / "run.csv")])
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=3,
+        learning_rate=1e-3, logging_steps=2, report_to=[], use_cpu=True, save_strategy="no",
+        seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+                                   callbacks=[cb])
+    trainer.train()
+    with open(tmp_path / "run.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    logged = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    assert float(rows[1]["loss"]) == logged[2]["loss"] and rows[0]["loss"] == ""
+    assert all(float(r["read_nvme_params"]) > 0 and float(r["optimizer_s"]) > 0 for r in rows)
+    assert all(float(r["backward_s"]) > 0 and r["lr"] != "" for r in rows)
+    tieroffload.close(model)

@@ -67,7 +67,10 @@ class Monitor:
         self._maybe_trace()
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Times ``optimizer.step()`` from now on (its step pre- and post-hooks)."""
+        """Times ``optimizer.step()`` from now on (its step pre- and post-hooks; those of the
+        optimizer inside a wrapper such as accelerate's ``AcceleratedOptimizer``)."""
+        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer
         self.optimizer = optimizer
         self._handles.append(optimizer.register_step_pre_hook(self._opt_begins))
         self._handles.append(optimizer.register_step_post_hook(self._opt_ends))
@@ -123,10 +126,12 @@ class Monitor:
     # -- records -------------------------------------------------------------------------------
 
     def step(self, loss: Any = None, lr: float | None = None, grad_norm: Any = None,
-             loss_scale: float | None = None) -> dict[str, Any]:
-        """Ends the step: makes its record, writes it and returns it. ``loss`` and
-        ``grad_norm`` may be tensors (read with ``float``); ``lr`` defaults to the watched
-        optimizer's first group's, ``loss_scale`` to a paged optimizer's dynamic scale."""
+             loss_scale: float | None = None, write: bool = True) -> dict[str, Any]:
+        """Ends the step: makes its record, writes it (unless ``write`` is False: then
+        ``write(record)`` later, once the caller has filled in what it learnt since) and
+        returns it. ``loss`` and ``grad_norm`` may be tensors (read with ``float``); ``lr``
+        defaults to the watched optimizer's first group's, ``loss_scale`` to a paged
+        optimizer's dynamic scale."""
         now = time.perf_counter()
         self.step_count += 1
         st = stats(self.model, window=True, reset=True)
@@ -142,12 +147,17 @@ class Monitor:
         if self._tracer is not None:
             tracer, self._tracer = self._tracer, None
             tracer.finish(self.trace_path(self.step_count), self.step_count)
-        for w in self.writers:
-            w.write(rec)
-        self.last = rec
+        if write:
+            self.write(rec)
         self._maybe_trace()
         self._t0 = time.perf_counter()  # the writers' time is the monitor's, not the step's
         return rec
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Hands ``record`` to every writer."""
+        for w in self.writers:
+            w.write(record)
+        self.last = record
 
     def trace_path(self, step: int) -> str:
         return os.path.join(self.trace_dir, f"trace_step{step}.json")
