@@ -271,3 +271,19 @@ def test_a_trainer_callback_writes_one_record_per_step_with_the_logged_loss(tmp_
     assert all(float(r["read_nvme_params"]) > 0 and float(r["optimizer_s"]) > 0 for r in rows)
     assert all(float(r["backward_s"]) > 0 and r["lr"] != "" for r in rows)
     tieroffload.close(model)
+
+
+def test_the_dashboard_of_a_monitored_run_is_drawn_from_its_csv(tmp_path):
+    from tieroffload.cli.bench import main
+    from tieroffload.cli.bench.report_plot import plot_dashboard
+
+    _monitored_run(tmp_path, steps=3)
+    fig = plot_dashboard(tmp_path / "run.csv", tmp_path / "dash.png")
+    assert [ax.get_ylabel() for ax in fig.axes] == ["GiB", "GB/s", "% of step time", "loss"]
+    io = fig.axes[1]
+    assert {"disk read (measured)", "all read", "parameters read"} <= {
+        line.get_label() for line in io.get_lines()}
+    assert (tmp_path / "dash.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["report", str(tmp_path / "run.csv"), "--plot", str(tmp_path / "cli.png")]) == 0
+    assert (tmp_path / "cli.png").stat().st_size > 10_000
+    assert main(["report", str(tmp_path / "run.jsonl")]) == 2  # not a monitor's CSV

@@ -32,7 +32,7 @@ class Monitor:
     JSON of ``tieroffload-bench nvme --json`` (default: the policy's ``machine`` if any).
 
     A window reset also resets the process's peak RSS (and CUDA's peak statistics), so each
-    record's peaks are its step's."""
+    record's peaks are its step's; ``peak_rss`` keeps the run's."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  writers: Iterable[Writer] = (), trace_steps: Iterable[int] = (),
@@ -51,6 +51,7 @@ class Monitor:
         self.trace_dir = os.fspath(trace_dir)
         self.step_count = start_step
         self.last: dict[str, Any] | None = None
+        self.peak_rss = 0  # the highest of the steps' peak RSS: the run's, since Monitor()
         self._phases = dict.fromkeys(PHASES, 0.0)
         self._fwd_t0: float | None = None
         self._fwd_depth = 0
@@ -144,6 +145,7 @@ class Monitor:
         rec = make_record(self.step_count, st, self._phases, now - self._t0, self.disk,
                           {k: None if v is None else float(v) for k, v in scalars.items()})
         self._phases = dict.fromkeys(PHASES, 0.0)
+        self.peak_rss = max(self.peak_rss, rec["peak_rss"])
         if self._tracer is not None:
             tracer, self._tracer = self._tracer, None
             tracer.finish(self.trace_path(self.step_count), self.step_count)
