@@ -287,3 +287,25 @@ def test_the_dashboard_of_a_monitored_run_is_drawn_from_its_csv(tmp_path):
     assert main(["report", str(tmp_path / "run.csv"), "--plot", str(tmp_path / "cli.png")]) == 0
     assert (tmp_path / "cli.png").stat().st_size > 10_000
     assert main(["report", str(tmp_path / "run.jsonl")]) == 2  # not a monitor's CSV
+
+
+def test_a_deepspeed_config_s_monitor_sections_give_the_writers(tmp_path):
+    import csv
+
+    from tieroffload.monitor import CSVWriter, TensorBoardWriter
+    from tieroffload.monitor.config import writers_from_deepspeed
+
+    config = {"tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb"),
+                              "job_name": "run1"},
+              "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"),
+                              "job_name": "run1"},
+              "wandb": {"enabled": False}}
+    writers = writers_from_deepspeed(config)
+    assert [type(w) for w in writers] == [TensorBoardWriter, CSVWriter]
+    for w in writers:
+        w.close()
+    records, _ = _monitored_run(tmp_path, steps=2, writers=writers_from_deepspeed(config))
+    with open(tmp_path / "csv" / "run1" / "run.csv", newline="") as f:
+        assert [int(r["read_nvme_params"]) for r in csv.DictReader(f)] == [
+            r["read_nvme_params"] for r in records]
+    assert list((tmp_path / "tb" / "run1").glob("events.out.tfevents.*"))

@@ -67,6 +67,16 @@ class Monitor:
         self._t0 = time.perf_counter()
         self._maybe_trace()
 
+    @classmethod
+    def from_deepspeed(cls, config: dict[str, Any] | str | os.PathLike, model: nn.Module,
+                       optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> Monitor:
+        """A monitor writing where a DeepSpeed config's ``tensorboard``, ``csv_monitor`` and
+        ``wandb`` sections say (see ``monitor.config``)."""
+        from .config import writers_from_deepspeed
+
+        writers = writers_from_deepspeed(config) + list(kwargs.pop("writers", ()))
+        return cls(model, optimizer, writers=writers, **kwargs)
+
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Times ``optimizer.step()`` from now on (its step pre- and post-hooks; those of the
         optimizer inside a wrapper such as accelerate's ``AcceleratedOptimizer``)."""
