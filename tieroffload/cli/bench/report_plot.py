@@ -82,26 +82,37 @@ def plot_dashboard(csv_path: str | os.PathLike, png_path: str | os.PathLike) -> 
             mem.plot(steps, [v / GiB for v in _col(run, key)], style, label=label)
     mem.set_title("Memory: RAM (RSS) by holder")
     mem.set_ylabel("GiB")
-    mem.legend(fontsize=7, loc="upper left", ncol=2)
+    highest = max(max(line.get_ydata(), default=0) for line in mem.get_lines())
+    mem.set_ylim(0, 1.45 * max(highest, max(_col(run, "rss")) / GiB))  # room for the legend
+    mem.legend(fontsize=7, loc="upper left", ncol=4)
 
     wall = [w if w > 0 else float("nan") for w in _col(run, "wall_s")]
+    top = 0.0
     for d, style, verb in (("read", "-", "read"), ("written", "--", "write")):
-        io.plot(steps, [b / w / 1e9 for b, w in zip(_col(run, f"{d}_nvme"), wall)], style,
-                color="black", linewidth=2, label=f"all {verb}")
+        total = [b / w / 1e9 for b, w in zip(_col(run, f"{d}_nvme"), wall)]
+        top = max([top, *(t for t in total if t == t)])
+        io.plot(steps, total, style, color="black", linewidth=2, label=f"all {verb}")
         for k in KINDS:
             gbps = [b / w / 1e9 for b, w in zip(_col(run, f"{d}_nvme_{k}"), wall)]
             if any(g > 0 for g in gbps):
                 io.plot(steps, gbps, style, color=COLORS[k], marker=marker, markersize=3,
                         label=f"{LABELS[k]} {verb}")
+    disk = 0.0
     for key, style, label in (("disk_read_gbps", "-", "disk read (measured)"),
                               ("disk_write_gbps", "--", "disk write (measured)")):
         figures = [v for v in run.get(key, []) if v is not None]
         if figures:
+            disk = max(disk, figures[-1])
             io.axhline(figures[-1], color="gray", linestyle=style, linewidth=1.5, label=label)
     io.set_title("NVMe traffic per kind (bytes moved / step time)")
     io.set_ylabel("GB/s")
-    io.set_ylim(bottom=0)
-    io.legend(fontsize=7, loc="upper left", ncol=2)
+    if top > 0 and disk > 10 * top:  # the disk's line would flatten the traffic: log scale
+        io.set_yscale("log")
+        io.set_ylim(top / 3000, 2 * disk)
+        io.set_title("NVMe traffic per kind (bytes moved / step time, log scale)")
+    else:
+        io.set_ylim(bottom=0)
+    io.legend(fontsize=7, loc="lower right", ncol=3)
 
     shares = [[100 * s / w for s, w in zip(_col(run, f"wait_{k}_s"), wall)] for k in KINDS]
     wait.stackplot(steps, *shares, labels=[LABELS[k] for k in KINDS],
@@ -109,8 +120,8 @@ def plot_dashboard(csv_path: str | os.PathLike, png_path: str | os.PathLike) -> 
     wait.set_title("Share of each step spent waiting on I/O, per kind")
     wait.set_ylabel("% of step time")
     wait.set_xlabel("step")
-    wait.set_ylim(0, max(5.0, 1.15 * max(map(sum, zip(*shares)), default=0)))
-    wait.legend(fontsize=7, loc="upper left")
+    wait.set_ylim(0, max(5.0, 1.3 * max(map(sum, zip(*shares)), default=0)))
+    wait.legend(fontsize=7, loc="upper left", ncol=4)
 
     losses = run.get("loss") or []
     points = [(s, v) for s, v in zip(steps, losses) if v is not None]
