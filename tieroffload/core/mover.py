@@ -247,7 +247,7 @@ def crc_of(unit: Unit) -> int:
 def timed_wait(ticket: Ticket, stats: Any, kind: str | None = None) -> None:
     """Waits on ``ticket``, adding the time to ``stats.wait_s`` (and, for a ``Stats``, to
     its ``kind``'s share: the ticket's own, unless given)."""
-    kind = kind or ticket.kind
+    kind = kind or getattr(ticket, "kind", "params")  # any object with wait() will do
     t0 = time.perf_counter()
     with timeline.ranged(f"tieroffload.wait.{kind}"):
         ticket.wait()
