@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 import tieroffload
 from tieroffload.aio.throughput import disk_gbps
-from tieroffload.monitor import CSVWriter
 from tieroffload.testing.models import GPT, token_batch
 from tieroffload.utils.memory import peak_rss, rss, start_peak
 from tieroffload.utils.sizes import format_bytes
@@ -217,6 +216,8 @@ def main() -> None:
     base = start_peak(torch.device("cpu"))
     monitor = None
     if args.monitor:
+        from tieroffload.monitor import CSVWriter
+
         os.makedirs(args.monitor, exist_ok=True)
         monitor = tieroffload.Monitor(model, opt, writers=[
             CSVWriter(os.path.join(args.monitor, "run.csv"))])
