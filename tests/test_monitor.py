@@ -309,3 +309,19 @@ def test_a_deepspeed_config_s_monitor_sections_give_the_writers(tmp_path):
         assert [int(r["read_nvme_params"]) for r in csv.DictReader(f)] == [
             r["read_nvme_params"] for r in records]
     assert list((tmp_path / "tb" / "run1").glob("events.out.tfevents.*"))
+
+
+def test_a_monitor_refuses_a_model_that_is_not_offloaded():
+    with __import__("pytest").raises(ValueError, match=r"offload\(model, policy\) before"):
+        tieroffload.Monitor(GPT(97, 32, 1, 4, 16))
+
+
+def test_the_wandb_writer_logs_each_record_offline(tmp_path, monkeypatch):
+    __import__("pytest").importorskip("wandb")
+    from tieroffload.monitor import WandbWriter
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    _monitored_run(tmp_path, steps=2, activations=False,
+                   writers=[WandbWriter(project="tieroffload-test", dir=str(tmp_path))])
+    assert list(tmp_path.rglob("*.wandb"))

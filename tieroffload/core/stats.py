@@ -72,7 +72,8 @@ class Stats:
         self.window_peak_resident = self.resident
 
     def as_dict(self) -> dict:
-        d = dict(self.__dict__)
+        """The figures (the window's peaks are read through ``hooks.window``)."""
+        d = {k: v for k, v in self.__dict__.items() if not k.startswith("window_")}
         for k in ("bytes_read", "bytes_written", "wait_by_kind"):
             d[k] = dict(d[k])
         for k in ("read_by_kind", "written_by_kind"):
