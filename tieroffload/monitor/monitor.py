@@ -55,7 +55,7 @@ class Monitor:
         self._phases = dict.fromkeys(PHASES, 0.0)
         self._fwd_t0: float | None = None
         self._fwd_depth = 0
-        self._bwd: tuple[int, float] | None = None  # (graph task, start) of the backward on
+        self._bwd: tuple[int, float] | None = None  # (graph task, start) of the backward
         self._opt_t0: float | None = None
         self._handles = [model.register_forward_pre_hook(self._forward_begins, prepend=True),
                          model.register_forward_hook(self._forward_ends, always_call=True)]
