@@ -43,6 +43,9 @@ class RandomWeights(dict):
         return torch.randn(shape) * 0.02
 
 
+MONITOR_S: list[float] = []  # seconds each monitor.step() took (--monitor)
+
+
 def step(model, opt, args, i: int, count: bool = False,
          monitor: tieroffload.Monitor | None = None) -> tuple[float, float, float, int, int]:
     """(seconds, seconds in the forwards, loss, NVMe bytes read and written in the forwards) of
@@ -69,7 +72,9 @@ def step(model, opt, args, i: int, count: bool = False,
     opt.zero_grad()
     value = loss.item() * args.accumulate
     if monitor is not None:
+        t = time.perf_counter()
         monitor.step(loss=value)
+        MONITOR_S.append(time.perf_counter() - t)
     return time.perf_counter() - t0, forward, value, read, written
 
 
@@ -272,6 +277,9 @@ def main() -> None:
           f"the whole run's peak {format_bytes(max(before, peak))}; the resident steps (in "
           f"their own process) peaked {format_bytes(probe.peak)} above theirs")
     print(f"at the highest sample, {format_bytes(sampler.top)}: {parts}")
+    if MONITOR_S:
+        print(f"monitor.step(), inside the step times: {statistics.median(MONITOR_S) * 1e3:.1f} "
+              f"ms median, {max(MONITOR_S) * 1e3:.1f} ms at most")
 
 
 if __name__ == "__main__":
