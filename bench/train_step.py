@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import statistics
 import tempfile
 import threading
@@ -42,9 +43,14 @@ class RandomWeights(dict):
         return torch.randn(shape) * 0.02
 
 
-def step(model, opt, args, i: int, count: bool = False) -> tuple[float, float, float, int, int]:
+MONITOR_S: list[float] = []  # seconds each monitor.step() took (--monitor)
+
+
+def step(model, opt, args, i: int, count: bool = False,
+         monitor: tieroffload.Monitor | None = None) -> tuple[float, float, float, int, int]:
     """(seconds, seconds in the forwards, loss, NVMe bytes read and written in the forwards) of
-    training step ``i``; the bytes only with ``count`` (an offloaded model), else 0."""
+    training step ``i``; the bytes only with ``count`` (an offloaded model), else 0. A
+    ``monitor`` makes (and writes) the step's record inside the time measured."""
     def moved() -> tuple[int, int]:
         if not count:
             return 0, 0
@@ -64,7 +70,12 @@ def step(model, opt, args, i: int, count: bool = False) -> tuple[float, float, f
         loss.backward()
     opt.step()
     opt.zero_grad()
-    return time.perf_counter() - t0, forward, loss.item() * args.accumulate, read, written
+    value = loss.item() * args.accumulate
+    if monitor is not None:
+        t = time.perf_counter()
+        monitor.step(loss=value)
+        MONITOR_S.append(time.perf_counter() - t)
+    return time.perf_counter() - t0, forward, value, read, written
 
 
 def _probe_worker(args, layer_counts: list[int], directory: str, conn) -> None:
@@ -175,6 +186,9 @@ def main() -> None:
                    help="--meta: blocks in the smaller of the two resident runs")
     p.add_argument("--activations", default=None, choices=["cpu", "nvme"],
                    help="Policy(activations=...): where saved activations go")
+    p.add_argument("--monitor", metavar="DIR",
+                   help="a tieroffload.Monitor writes each measured step's record to "
+                        "DIR/run.csv (its cost is inside the step times)")
     p.add_argument("--probe-repeats", type=int, default=3,
                    help="resident steps after each offloaded one (after a warm-up); the "
                         "fastest counts")
@@ -205,12 +219,20 @@ def main() -> None:
     probe.measure()  # the child's first steps run slow: not counted
     before = peak_rss()  # loading and the warm-up step
     base = start_peak(torch.device("cpu"))
+    monitor = None
+    if args.monitor:
+        from tieroffload.monitor import CSVWriter
+
+        os.makedirs(args.monitor, exist_ok=True)
+        monitor = tieroffload.Monitor(model, opt, writers=[
+            CSVWriter(os.path.join(args.monitor, "run.csv"))])
     st0 = tieroffload.stats(model)
     sampler = PeakSampler(model)
     rows = []
     for i in range(args.steps):
         st = tieroffload.stats(model)
-        seconds, fwd, loss, fwd_read, fwd_written = step(model, opt, args, i + 1, count=True)
+        seconds, fwd, loss, fwd_read, fwd_written = step(model, opt, args, i + 1, count=True,
+                                                         monitor=monitor)
         end = tieroffload.stats(model)
         compute, fwd_compute, read_gbps, write_gbps = probe.measure()
         read = end["bytes_read"]["nvme"] - st["bytes_read"]["nvme"]
@@ -226,6 +248,9 @@ def main() -> None:
     parts = sampler.stop()
     st = tieroffload.stats(model)
     peak = peak_rss()
+    if monitor is not None:  # it starts a new peak at each step: the run's is its highest
+        monitor.close()
+        peak = max(peak, monitor.peak_rss)
     probe.close()
     opt.close()
     tieroffload.close(model, restore=False)
@@ -252,6 +277,9 @@ def main() -> None:
           f"the whole run's peak {format_bytes(max(before, peak))}; the resident steps (in "
           f"their own process) peaked {format_bytes(probe.peak)} above theirs")
     print(f"at the highest sample, {format_bytes(sampler.top)}: {parts}")
+    if MONITOR_S:
+        print(f"monitor.step(), inside the step times: {statistics.median(MONITOR_S) * 1e3:.1f} "
+              f"ms median, {max(MONITOR_S) * 1e3:.1f} ms at most")
 
 
 if __name__ == "__main__":

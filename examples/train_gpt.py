@@ -3,6 +3,7 @@ on NVMe, under a CPU budget far smaller than the training state.
 
     python examples/train_gpt.py                      # embedded defaults: ./scratch, 8 MiB budget
     python examples/train_gpt.py --dir /mnt/nvme --layers 12 --d 768 --budget 256MiB
+    python examples/train_gpt.py --monitor runs/gpt     # + run.csv, TensorBoard, dashboard.png
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def main() -> None:
     p.add_argument("--step-in-backward", action="store_true",
                    help='overlap="backward": each chunk steps during the last micro-batch\'s '
                         "backward, as soon as its gradients are final")
+    p.add_argument("--monitor", metavar="DIR",
+                   help="write a record per step to DIR/run.csv (and TensorBoard's DIR/tb "
+                        "where tensorboard is installed), the dashboard DIR/dashboard.png and "
+                        "the trace of step 3, DIR/trace_step3.json")
+    p.add_argument("--disk", metavar="NVME.json",
+                   help="tieroffload-bench nvme --json output: the disk's GB/s on the dashboard")
     args = p.parse_args()
 
     created = not os.path.isdir(args.dir)
@@ -49,6 +56,7 @@ def main() -> None:
     opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1,
                                 **(in_backward if args.step_in_backward else {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    monitor = make_monitor(args, model, opt) if args.monitor else None
     print(f"GPT {args.layers}x{args.d}: {nparams / 1e6:.1f} M parameters, training state "
           f"{format_bytes(16 * nparams)} (params, grads, AdamW) on NVMe in {args.dir}/, "
           f"CPU budget {args.budget}")
@@ -67,18 +75,43 @@ def main() -> None:
             opt.step()
             sched.step()
             opt.zero_grad()
+            if monitor is not None:
+                monitor.step(loss=sum(losses[-args.accumulate:]) / args.accumulate)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
         seconds = time.perf_counter() - t0
         st = tieroffload.stats(model)
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} | {tokens / seconds:,.0f} tokens/s | "
               f"NVMe read {format_bytes(st['bytes_read']['nvme'])}, written "
               f"{format_bytes(st['bytes_written']['nvme'])} | waited on I/O {st['wait_s']:.1f} s")
+        # The monitor starts a new peak at each step: the run's is the highest of its steps'.
+        peak = peak_rss() if monitor is None else max(monitor.peak_rss, peak_rss())
         print(f"peak resident parameters {format_bytes(st['peak_resident'])} (budget "
-              f"{format_bytes(st['budget'])}) | peak RSS {format_bytes(peak_rss())}")
+              f"{format_bytes(st['budget'])}) | peak RSS {format_bytes(peak)}")
+        if monitor is not None:
+            monitor.close()
+            from tieroffload.cli.bench.report_plot import plot_dashboard
+
+            plot_dashboard(os.path.join(args.monitor, "run.csv"),
+                           os.path.join(args.monitor, "dashboard.png"))
+            print(f"monitor: {args.monitor}/run.csv, dashboard.png, trace_step3.json")
     finally:
         tieroffload.close(model, restore=False)  # its optimizer and swap space too
         if created:
             shutil.rmtree(args.dir, ignore_errors=True)
+
+
+def make_monitor(args: argparse.Namespace, model: torch.nn.Module,
+                 opt: torch.optim.Optimizer) -> tieroffload.Monitor:
+    from tieroffload.monitor import CSVWriter, TensorBoardWriter
+
+    os.makedirs(args.monitor, exist_ok=True)
+    writers = [CSVWriter(os.path.join(args.monitor, "run.csv"))]
+    try:
+        writers.append(TensorBoardWriter(os.path.join(args.monitor, "tb")))
+    except ImportError:
+        pass  # the CSV and the dashboard do without
+    return tieroffload.Monitor(model, opt, writers=writers, trace_steps=[3],
+                               trace_dir=args.monitor, disk=args.disk)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ LAYERS = [
     {"checkpoint"},
     {"planner"},
     {"policy"},
+    {"monitor"},
     {"__init__"},
     {"cli", "__main__"},
 ]

@@ -13,10 +13,12 @@ from .hooks import (
     offload,
     stats,
 )
+from .monitor import Monitor
 from .optim import optimizer
 from .planner import AutoBatch
 from .policy import Policy
 
-__all__ = ["AutoBatch", "CheckpointError", "IOConfig", "Policy", "__version__", "aio", "close",
+__all__ = ["AutoBatch", "CheckpointError", "IOConfig", "Monitor", "Policy", "__version__", "aio",
+           "close",
            "drop_stored_grads", "from_pretrained", "load_checkpoint", "load_weights",
            "materialize", "offload", "optimizer", "save_checkpoint", "stats"]

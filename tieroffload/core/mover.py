@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from ..aio.engine import Future, error_for
+from . import timeline
 from .devices import pinned_empty
 from .stats import Stats
 from .units import Unit
@@ -24,6 +25,9 @@ NBUF = 4  # staging buffers: the fixed overhead is STAGING_CHUNK * NBUF
 class Ticket:
     """Completion of one move: ``wait()`` re-raises what the worker met; on CUDA the current
     stream is made to wait for the copies, so compute waits only for what it needs."""
+
+    kind = "params"  # what the move carries (see stats.KINDS): its waits are counted so
+    io: tuple[str, str, bool, int] | None = None  # see Mover.submit
 
     def __init__(self) -> None:
         self._done = threading.Event()
@@ -128,8 +132,14 @@ class Mover:
         if self.cuda:
             self.stream.synchronize()
 
-    def submit(self, fn: Callable[[], None]) -> Ticket:
+    def submit(self, fn: Callable[[], None], kind: str = "params", nbytes: int = 0,
+               tier: str = "cpu", write: bool = False) -> Ticket:
+        """Runs ``fn`` on the worker. ``kind``: what it moves; ``nbytes``: the bytes it
+        reads from or writes to ``tier`` itself, for a traced step's timeline (moves of units
+        are traced by ``move_now``)."""
         ticket = Ticket()
+        ticket.kind = kind
+        ticket.io = (kind, tier, write, nbytes) if nbytes else None
         if self.cuda:
             # The copies must not start before compute is done with the memory they overwrite.
             ready = torch.cuda.Event()
@@ -152,9 +162,12 @@ class Mover:
         summed = self.checksum and unit.home.tier == "nvme"
         if summed and write:
             unit.crc = crc_of(unit)
-        (unit.home.store if write else unit.home.load)(unit, self)
+        t0 = time.perf_counter()
+        with timeline.ranged(f"tieroffload.{'write' if write else 'read'}.{unit.kind}"):
+            (unit.home.store if write else unit.home.load)(unit, self)
         if summed and not write:
             self.verify(unit)
+        timeline.io(unit.kind, unit.home.tier, write, unit.nbytes, t0, time.perf_counter())
         self._count(unit, write)
 
     def verify(self, unit: Unit) -> None:
@@ -170,13 +183,12 @@ class Mover:
                         home.swap.path, home.offset)
 
     def _count(self, unit: Unit, write: bool) -> None:
-        (self.stats.bytes_written if write else self.stats.bytes_read)[unit.home.tier] += \
-            unit.nbytes
+        self.stats.moved(unit.home.tier, unit.kind, unit.nbytes, write)
 
     def _move(self, unit: Unit, write: bool) -> Ticket:
         home = unit.home
         if unit.flat is None or home.tier != "nvme" or self.delay is not None:
-            return self.submit(lambda: self.move_now(unit, write))
+            return self.submit(lambda: self.move_now(unit, write), unit.kind)
         # A unit with its own aligned buffer moves by one async request, issued now, so many
         # can be in flight (tests that inject delays go through the worker instead).
         self._count(unit, write)
@@ -184,7 +196,13 @@ class Mover:
             unit.crc = crc_of(unit)
         io = home.swap.file.pwrite if write else home.swap.file.pread
         verify = (lambda: self.verify(unit)) if self.checksum and not write else None
-        return IOTicket(io(unit.flat, home.offset), verify)
+        ev = timeline.io(unit.kind, home.tier, write, unit.nbytes)
+        future = io(unit.flat, home.offset)
+        if ev is not None:
+            future.add_done_callback(lambda f: timeline.io_done(ev))
+        ticket = IOTicket(future, verify)
+        ticket.kind = unit.kind
+        return ticket
 
     def _run(self) -> None:
         while True:
@@ -195,6 +213,7 @@ class Mover:
             try:
                 if self.delay is not None:
                     self.delay()
+                t0 = time.perf_counter()
                 if self.cuda:
                     with torch.cuda.stream(self.stream):
                         self.stream.wait_event(ready)
@@ -203,6 +222,8 @@ class Mover:
                         ticket.cuda_event.record(self.stream)
                 else:
                     fn()
+                if ticket.io is not None:  # counted where it was submitted
+                    timeline.io(*ticket.io, t0, time.perf_counter())
             except BaseException as e:  # handed to whoever waits on the ticket
                 ticket.finish(e)
             else:
@@ -225,8 +246,16 @@ def crc_of(unit: Unit) -> int:
     return crc
 
 
-def timed_wait(ticket: Ticket, stats: Any) -> None:
-    """Waits on ``ticket``, adding the time to ``stats.wait_s``."""
+def timed_wait(ticket: Ticket, stats: Any, kind: str | None = None) -> None:
+    """Waits on ``ticket``, adding the time to ``stats.wait_s`` (and, for a ``Stats``, to
+    its ``kind``'s share: the ticket's own, unless given)."""
+    kind = kind or getattr(ticket, "kind", "params")  # any object with wait() will do
     t0 = time.perf_counter()
-    ticket.wait()
-    stats.wait_s += time.perf_counter() - t0
+    with timeline.ranged(f"tieroffload.wait.{kind}"):
+        ticket.wait()
+    t1 = time.perf_counter()
+    if isinstance(stats, Stats):
+        stats.waited(kind, t1 - t0)
+    else:
+        stats.wait_s += t1 - t0
+    timeline.waited(kind, t0, t1)

@@ -238,8 +238,7 @@ class Scheduler:
             u.snapshot()
 
     def _account(self, delta: int) -> None:
-        self.stats.resident += delta
-        self.stats.peak_resident = max(self.stats.peak_resident, self.stats.resident)
+        self.stats.add_resident(delta)
 
     def _victim(self, target: Unit | None) -> Unit | None:
         """The unpinned resident unit to evict: farthest next use on the trace, else least

@@ -7,14 +7,27 @@ from dataclasses import dataclass, field
 
 _pinned_lock = threading.Lock()  # pinned buffers are freed on whichever thread drops them last
 
+KINDS = ("params", "grads", "optimizer", "activations")  # what the bytes moved carry
+TIERS = ("cpu", "nvme")
+
+
+def _by_kind() -> dict[str, dict[str, int]]:
+    return {t: dict.fromkeys(KINDS, 0) for t in TIERS}
+
 
 @dataclass
 class Stats:
-    """Bytes moved per tier and direction, time compute waited, prefetch hits and misses."""
+    """Bytes moved per tier and direction, time compute waited, prefetch hits and misses.
+    ``read_by_kind[tier]`` splits ``bytes_read[tier]`` by what the bytes carry (its values
+    sum to it), ``wait_by_kind`` splits ``wait_s``; the ``window_*`` peaks are those since
+    ``start_window`` (the lifetime's until it is first called)."""
 
     bytes_read: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "nvme": 0})
     bytes_written: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "nvme": 0})
+    read_by_kind: dict[str, dict[str, int]] = field(default_factory=_by_kind)
+    written_by_kind: dict[str, dict[str, int]] = field(default_factory=_by_kind)
     wait_s: float = 0.0
+    wait_by_kind: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     hits: int = 0          # resident when needed
     late: int = 0          # prefetched, but still on its way when needed
     misses: int = 0        # not prefetched: fetched on demand
@@ -27,14 +40,43 @@ class Stats:
     peak_resident: int = 0
     resident: int = 0
     pinned: int = 0        # page-locked host memory held now (see core.devices.pinned_empty)
+    peak_pinned: int = 0
+    window_peak_resident: int = 0
+    window_peak_pinned: int = 0
 
     def add_pinned(self, nbytes: int) -> None:
         with _pinned_lock:
             self.pinned += nbytes
+            self.peak_pinned = max(self.peak_pinned, self.pinned)
+            self.window_peak_pinned = max(self.window_peak_pinned, self.pinned)
+
+    def add_resident(self, nbytes: int) -> None:
+        """Counts ``nbytes`` more (or fewer) resident on the compute device."""
+        self.resident += nbytes
+        self.peak_resident = max(self.peak_resident, self.resident)
+        self.window_peak_resident = max(self.window_peak_resident, self.resident)
+
+    def moved(self, tier: str, kind: str, nbytes: int, write: bool) -> None:
+        """Counts ``nbytes`` of ``kind`` read from (or written to) ``tier``."""
+        (self.bytes_written if write else self.bytes_read)[tier] += nbytes
+        (self.written_by_kind if write else self.read_by_kind)[tier][kind] += nbytes
+
+    def waited(self, kind: str, seconds: float) -> None:
+        self.wait_s += seconds
+        self.wait_by_kind[kind] += seconds
+
+    def start_window(self) -> None:
+        """The window peaks start again from what is held now."""
+        with _pinned_lock:
+            self.window_peak_pinned = self.pinned
+        self.window_peak_resident = self.resident
 
     def as_dict(self) -> dict:
-        d = dict(self.__dict__)
-        d["bytes_read"] = dict(self.bytes_read)
-        d["bytes_written"] = dict(self.bytes_written)
+        """The figures (the window's peaks are read through ``hooks.window``)."""
+        d = {k: v for k, v in self.__dict__.items() if not k.startswith("window_")}
+        for k in ("bytes_read", "bytes_written", "wait_by_kind"):
+            d[k] = dict(d[k])
+        for k in ("read_by_kind", "written_by_kind"):
+            d[k] = {t: dict(v) for t, v in d[k].items()}
         d["adaptations"] = list(self.adaptations)
         return d

@@ -62,6 +62,7 @@ class Unit:
         into new storage, for tensors that must follow them (FSDP's own views of its shards)."""
         self.id = uid
         self.name = name
+        self.kind = "params"  # what its bytes are, as stats count them (see stats.KINDS)
         self.names = [n for n, _ in params]
         self.on_rebind = on_rebind
         self.segments: list[Segment] = []

@@ -285,7 +285,7 @@ class ActivationPager:
             if file is not None:
                 file.pwrite(host, offset, r.padded).result()
 
-        r.write = self.mover.submit(job)
+        r.write = self.mover.submit(job, "activations", r.nbytes, self.tier, write=True)
         return r
 
     def _read(self, r: _Record) -> None:
@@ -316,7 +316,7 @@ class ActivationPager:
             r.restored = dst.untyped_storage()
 
         self.stats.bytes_read += r.nbytes
-        r.read = self.mover.submit(job)
+        r.read = self.mover.submit(job, "activations", r.nbytes, self.tier)
 
     def _prefetch_before(self, r: _Record) -> None:
         """Starts reading the records saved just before ``r``: backward needs them next."""

@@ -48,6 +48,7 @@ class GradPager:
             if not grads:
                 continue
             g = Unit(u.id, f"gradients of {u.name}", grads)
+            g.kind = "grads"
             g.home = home(g.nbytes)
             if g.home.tier == "nvme" and not mover.cuda:  # O_DIRECT straight in: no staging
                 g.adopt_flat(g.home.swap.align)
@@ -106,7 +107,7 @@ class GradPager:
             self.mover.move_now(g, write=True)
             g.free(self.pool)
 
-        self.pending.append(self.mover.submit(job))
+        self.pending.append(self.mover.submit(job, "grads"))
         while len(self.pending) > self.DEPTH:
             timed_wait(self.pending.popleft(), self.stats)
 

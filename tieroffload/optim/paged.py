@@ -483,6 +483,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             if old is not None:  # the state grew (after the first step): a new layout
                 old.home.release()
             u = Unit(-1, f"optimizer state of {chunk.units[0].name}", tensors)
+            u.kind = "optimizer"
             u.home = NvmeHome(self.swap, u.nbytes)
             if not self.mover.cuda:  # O_DIRECT straight into the state: no staging copy
                 u.adopt_flat(self.swap.align)

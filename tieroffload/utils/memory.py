@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import psutil
 import torch
@@ -117,12 +119,21 @@ def trim_heap() -> None:
     _libc("malloc_trim", 0)
 
 
+@functools.cache
+def _libc_fn(name: str) -> Any:
+    """glibc's function ``name``, looked up once (each ``CDLL`` made anew builds ctypes classes:
+    a per-step monitor did so several times a step), or None where there is none."""
+    try:
+        return getattr(ctypes.CDLL("libc.so.6", use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def _libc(name: str, *args: int) -> None:
     """Calls a glibc function where there is one (elsewhere, nothing)."""
-    try:
-        getattr(ctypes.CDLL("libc.so.6"), name)(*args)
-    except (OSError, AttributeError):
-        pass
+    f = _libc_fn(name)
+    if f is not None:
+        f(*args)
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -131,9 +142,8 @@ PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 def resident_bytes(ranges: Iterable[tuple[int, int]]) -> int:
     """Bytes of the page-aligned mapped ranges ``(address, nbytes)`` that are in RAM now
     (mincore); 0 for a range that is not mapped (or where mincore is missing)."""
-    try:
-        mincore = ctypes.CDLL("libc.so.6", use_errno=True).mincore
-    except (OSError, AttributeError):
+    mincore = _libc_fn("mincore")
+    if mincore is None:
         return 0
     mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     total = 0
@@ -156,9 +166,8 @@ class _MallInfo2(ctypes.Structure):
 def heap() -> tuple[int, int]:
     """(bytes malloc has handed out and not had back, bytes freed that it keeps for reuse):
     glibc's mallinfo2; (0, 0) without it."""
-    try:
-        f = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):
+    f = _libc_fn("mallinfo2")
+    if f is None:
         return 0, 0
     f.restype = _MallInfo2
     m = f()
@@ -166,8 +175,9 @@ def heap() -> tuple[int, int]:
 
 
 def rss_parts() -> dict[str, int]:
-    """The resident set split as Linux counts it: anonymous memory and mapped files (code,
-    shared memory included); zeros where /proc is missing."""
+    """The resident set split as Linux counts it, from one reading: ``rss`` = ``anon``
+    (anonymous memory) + ``files`` (mapped files: code, shared memory included), exactly;
+    where /proc is missing, ``rss`` is psutil's and all of it ``anon``."""
     keys = ("RssAnon", "RssFile", "RssShmem")
     try:
         with open("/proc/self/status") as f:
@@ -175,7 +185,11 @@ def rss_parts() -> dict[str, int]:
             got = {k: int(v.split()[0]) * 1024 for k, v in pairs if k in keys}
     except OSError:
         got = {}
-    return {"anon": got.get("RssAnon", 0), "files": got.get("RssFile", 0) + got.get("RssShmem", 0)}
+    if len(got) < len(keys):
+        total = psutil.Process().memory_info().rss
+        return {"rss": total, "anon": total, "files": 0}
+    anon, files = got["RssAnon"], got["RssFile"] + got["RssShmem"]
+    return {"rss": anon + files, "anon": anon, "files": files}
 
 
 def peak(device: torch.device) -> int:

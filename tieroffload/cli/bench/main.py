@@ -9,6 +9,7 @@ import signal
 import sys
 from typing import Any
 
+from . import report_plot
 from .common import DEFAULT_SIZE, QUICK_SIZE, BenchError, format_size, stopping
 from .report import figure, format_table, plot
 
@@ -72,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     nvme.add_argument("--json", metavar="OUT.json",
                       help="write every measurement and the recommended block")
     nvme.add_argument("--plot", metavar="OUT.png", help="write GB/s against queue depth (PNG)")
+    report_plot.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "report":
+        return report_plot.run(args)
 
     # SIGTERM takes the same way out as Ctrl-C, so the scratch file is removed either way;
     # the caller's handlers come back at the end (main may run inside a notebook or a test).
