@@ -513,3 +513,25 @@ def test_a_class_without_a_known_state_layout_still_round_trips(tmp_path, opt_cl
             tieroffload.load_checkpoint(tmp_path / "ckpt", model, opt)
         return [loss_step(model, opt, s) for s in range(1, 4)]
     assert run(load=True) == run(load=False)
+
+
+@pytest.mark.parametrize("name", ["ckpt.old-20261207", "ckpt.tmp-4000000"])
+def test_a_backup_named_like_a_leftover_is_never_touched(tmp_path, name):
+    """A copy of a checkpoint the user keeps beside it under a name like a save's leftover
+    (``ckpt.old-<date>``) is the user's: loads and saves neither empty it nor put it in place."""
+    import shutil
+
+    model = torch.nn.Linear(4, 4)
+    path = tmp_path / "ckpt"
+    tieroffload.save_checkpoint(path, model)
+    backup = tmp_path / name
+    shutil.copytree(path, backup)
+    (backup / "NOTES.txt").write_text("mine")
+    before = tree(backup)
+    tieroffload.load_checkpoint(path, model)  # a load looks for leftovers
+    tieroffload.save_checkpoint(path, model)  # and so does a save that replaces
+    shutil.rmtree(path)
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        tieroffload.load_checkpoint(path, model)  # path missing: the backup is not put back
+    tieroffload.save_checkpoint(path, model)  # a new checkpoint beside the backup
+    assert tree(backup) == before

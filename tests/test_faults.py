@@ -16,6 +16,7 @@ import gc
 import json
 import os
 import pickle
+import socket
 import stat
 import subprocess
 import sys
@@ -40,6 +41,13 @@ from tieroffload.testing.models import GPT, token_batch
 def replace_names(path: str, pid: int) -> tuple[str, str]:
     """(temporary, old) names that save_checkpoint uses while it replaces ``path``."""
     return f"{path}.tmp-{pid}", f"{path}.old-{pid}"
+
+
+def mark_leftover(folder: str, kind: str, pid: int) -> None:
+    """Marks ``folder`` as save_checkpoint marks its temporary ("tmp") and old ("old") folders
+    (tieroffload/checkpoint/folder.py, Folder.mark): only a folder so marked is a leftover."""
+    with open(os.path.join(folder, ".tieroffload-save"), "w") as f:
+        f.write(f"{kind} {socket.gethostname()} {pid}\n")
 
 
 def paged_step_counts(opt) -> list[float]:
@@ -915,6 +923,8 @@ def test_kill_between_the_two_renames_still_loads(tmp_path):
         for p in model.parameters():
             p.add_(1)
     tieroffload.save_checkpoint(tmp, model, extra={"v": 2})  # the complete new one, unrenamed
+    mark_leftover(tmp, "tmp", pid)
+    mark_leftover(path, "old", pid)
     os.rename(path, old)  # the first rename happened; then the process died
     fresh = mlp(width=16, depth=2)
     got = tieroffload.load_checkpoint(path, fresh)
@@ -932,10 +942,12 @@ def _dead_pid() -> int:
 def test_leftovers_of_dead_saves_go_and_a_live_ones_stay(tmp_path):
     model = mlp(width=16, depth=2)
     path = str(tmp_path / "ckpt")
-    dead = f"{path}.tmp-{_dead_pid()}"
-    live = f"{path}.tmp-{os.getppid()}"  # the parent: alive, maybe mid-save
+    dead_pid, live_pid = _dead_pid(), os.getppid()  # the parent: alive, maybe mid-save
+    dead, live = f"{path}.tmp-{dead_pid}", f"{path}.tmp-{live_pid}"
     os.mkdir(dead)
     os.mkdir(live)
+    mark_leftover(dead, "tmp", dead_pid)
+    mark_leftover(live, "tmp", live_pid)
     tieroffload.save_checkpoint(path, model)
     assert not os.path.exists(dead) and os.path.isdir(live)
 

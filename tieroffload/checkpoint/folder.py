@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import socket
 import stat
 from collections.abc import Callable
 from typing import BinaryIO
@@ -21,7 +22,8 @@ from ..aio.private import open_directory
 from ..utils.paths import exchange
 from .schema import CheckpointError
 
-FILES = ("manifest.json", "tensors.bin", "extra.pt")  # what a checkpoint directory holds
+MARK = ".tieroffload-save"  # in a save's temporary and old folders: "<tmp|old> <host> <pid>"
+FILES = ("manifest.json", "tensors.bin", "extra.pt", MARK)  # what a checkpoint folder holds
 RANK_DIR = re.compile(r"rank(0|[1-9][0-9]*)\Z")  # and, saved by several ranks, their parts
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
@@ -118,6 +120,25 @@ class Folder:
         """Swaps ``a`` and ``b`` in one step (``utils.paths.exchange``); False where the file
         system cannot."""
         return exchange(a, b, self.fd)
+
+    def mark(self, kind: str, pid: int) -> None:
+        """Marks this folder as the ``kind`` ("tmp" or "old") folder of process ``pid`` of this
+        host: only a folder so marked is ever taken for a save's leftover."""
+        _quiet(os.unlink, MARK, dir_fd=self.fd)
+        with self.create(MARK) as f:
+            f.write(f"{kind} {socket.gethostname()} {pid}\n".encode())
+
+    def marked(self, name: str, kind: str, pid: int) -> bool:
+        """Whether the folder ``name`` was marked ``mark(kind, pid)`` on this host."""
+        try:
+            with self.sub(name) as sub, sub.read(MARK) as f:
+                return f.read(256).decode(errors="replace") == \
+                    f"{kind} {socket.gethostname()} {pid}\n"
+        except (CheckpointError, OSError):
+            return False
+
+    def unmark(self) -> None:
+        _quiet(os.unlink, MARK, dir_fd=self.fd)
 
     def remove_checkpoint(self, name: str) -> None:
         """Removes the checkpoint files (and rank parts) of the folder ``name``, then the folder

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,8 +75,10 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     with Folder.for_writing(where) as parent:
         if rank == 0:
             _recover(parent, base)
-            parent.remove_checkpoint(tmp)  # a leftover of an earlier process of our pid
-            parent.make(tmp).close()
+            if parent.marked(tmp, "tmp", os.getpid()):
+                parent.remove_checkpoint(tmp)  # left by an earlier process of our pid
+            with parent.make(tmp) as made:
+                made.mark("tmp", os.getpid())
         if dist:
             dist.barrier()
         try:
@@ -143,14 +146,33 @@ def _replace(parent: Folder, tmp: str, base: str, mine: os.stat_result) -> None:
     replaced = CheckpointError(f"checkpoint {parent.where(base)} not saved: its temporary folder "
                                f"{parent.where(tmp)} was replaced while it was written (can "
                                "another user write to the folder?)")
-    if parent.lstat(base) is not None and parent.exchange(tmp, base):
-        if not ours(base):
-            parent.exchange(tmp, base)
-            raise replaced
-        parent.fsync()
-        parent.remove_checkpoint(tmp)  # the old checkpoint, now
-        return
-    old = f"{base}.old-{os.getpid()}"
+    try:
+        _switch(parent, tmp, base, ours, replaced)
+    except BaseException:
+        if parent.lstat(base) is not None and not ours(base):
+            _unmark(parent, base)  # the previous checkpoint, left as it was
+        raise
+    _unmark(parent, base)
+
+
+def _switch(parent: Folder, tmp: str, base: str, ours: Callable[[str], bool],
+            replaced: CheckpointError) -> None:
+    """``_replace``'s renames. The previous checkpoint is marked first as the leftover it
+    becomes if the process is killed half way, so the next save or load can put it back."""
+    pid = os.getpid()
+    if parent.lstat(base) is not None:
+        with parent.sub(base) as previous:
+            previous.mark("tmp", pid)
+        if parent.exchange(tmp, base):
+            if not ours(base):
+                parent.exchange(tmp, base)
+                raise replaced
+            parent.fsync()
+            parent.remove_checkpoint(tmp)  # the old checkpoint, now
+            return
+        with parent.sub(base) as previous:
+            previous.mark("old", pid)
+    old = f"{base}.old-{pid}"
     if parent.lstat(base) is not None:
         parent.rename(base, old)
     try:
@@ -164,6 +186,12 @@ def _replace(parent: Folder, tmp: str, base: str, mine: os.stat_result) -> None:
         raise
     parent.fsync()
     parent.remove_checkpoint(old)
+
+
+def _unmark(parent: Folder, base: str) -> None:
+    """The checkpoint ``base`` without the mark of the save that put it there."""
+    with parent.sub(base) as ck:
+        ck.unmark()
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module,

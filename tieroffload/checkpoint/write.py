@@ -124,19 +124,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _leftovers(parent: Folder, base: str) -> list[tuple[str, int]]:
-    """(name, pid) of ``<base>.tmp-<pid>`` and ``<base>.old-<pid>`` in ``parent``."""
+def _leftovers(parent: Folder, base: str) -> list[tuple[str, str, int]]:
+    """(name, kind, pid) of the folders ``<base>.tmp-<pid>`` and ``<base>.old-<pid>`` in
+    ``parent`` that a save of this host marked as its own (``Folder.mark``): a folder of the
+    user's that only looks like one (a backup named ``ckpt.old-20261207``), or another user's,
+    is never taken for one."""
     out = []
     for name in parent.names():
-        for mark in (".tmp-", ".old-"):
-            tail = name[len(base) + len(mark):]
-            if not (name.startswith(base + mark) and tail.isdigit()):
+        for kind in ("tmp", "old"):
+            tail = name[len(base) + len(kind) + 2:]
+            if not (name.startswith(f"{base}.{kind}-") and tail.isdigit()):
                 continue
             st = parent.lstat(name)
-            # Only our own saves' leftovers: a directory another user planted beside the
-            # checkpoint is never adopted, nor removed.
-            if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
-                out.append((name, int(tail)))
+            if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() \
+                    and parent.marked(name, kind, int(tail)):
+                out.append((name, kind, int(tail)))
     return out
 
 
@@ -145,13 +147,13 @@ def _recover(parent: Folder, base: str) -> None:
     save left beside it (a new one whose manifest was written, else the old one); then removes
     the leftovers of dead processes (their checkpoint files only). A live process's temporary
     directory is never touched."""
-    dead = [(n, pid) for n, pid in _leftovers(parent, base) if not _alive(pid)]
+    dead = [(n, kind) for n, kind, pid in _leftovers(parent, base) if not _alive(pid)]
     if parent.lstat(base) is None:
         complete = []
-        for n, _ in dead:
+        for n, kind in dead:
             when = _complete(parent.where(n), parent)
             if when is not None:
-                complete.append((n.startswith(base + ".tmp-"), when, n))
+                complete.append((kind == "tmp", when, n))
         if complete:
             parent.rename(max(complete)[2], base)
             parent.fsync()
