@@ -435,6 +435,10 @@ MALFORMED = {
     "optim-key-dotdot": (dict(manifest=lambda m, d: m["tensors"][-1].update(
         key="optim/0/../exp_avg")), "no key of the form"),
     "unknown-key-kind": (dict(manifest=first_entry(key="weights/x")), "no key of the form"),
+    "unexpected-param": (dict(manifest=lambda m, d: m["tensors"].append(
+        dict(m["tensors"][0], key="param/zzz"))), "holds 'param/zzz', which the model has not"),
+    "unexpected-buffer-dotdot": (dict(manifest=lambda m, d: m["tensors"].append(
+        dict(m["tensors"][0], key="buffer/a/../../b"))), "holds 'buffer/a/../../b'"),
     "no-tensors": (dict(manifest=set_manifest(tensors=KeyError)), "'tensors' is NoneType"),
     "tensors-a-dict": (dict(manifest=set_manifest(tensors={})), "'tensors' is dict"),
     "no-size": (dict(manifest=set_manifest(size=KeyError)), "'size' is None"),

@@ -251,8 +251,16 @@ def _load(ck: _Opened, meta: dict[str, Any], model: nn.Module,
     state = getattr(model, "_tieroffload", None)
     params = ([(n, p) for u in state.units for n, p in zip(u.names, u.params)]
               if state is not None else list(model.named_parameters()))
-    for kind, name, p in ([("param", n, p) for n, p in params]
-                          + [("buffer", n, b) for n, b in model.named_buffers()]):
+    tensors = ([("param", n, p) for n, p in params]
+               + [("buffer", n, b) for n, b in model.named_buffers()])
+    unexpected = sorted(set(k for k in entries if not k.startswith("optim/"))
+                        - {f"{kind}/{name}" for kind, name, _ in tensors})
+    if unexpected:
+        raise CheckpointError(f"checkpoint {path} holds {unexpected[0]!r}"
+                              f"{f' and {len(unexpected) - 1} more' if len(unexpected) > 1 else ''}"
+                              ", which the model has not (as load_state_dict(strict=True) refuses "
+                              "unexpected keys)")
+    for kind, name, p in tensors:
         e = entries.get(f"{kind}/{name}")
         if e is None:
             raise CheckpointError(f"checkpoint {path} has no {kind} {name!r}")
