@@ -86,7 +86,8 @@ def test_a_bad_lr_with_overlap_backward_is_refused_before_any_chunk_steps(tmp_pa
         if name == "bad":
             opt.param_groups[0]["lr"] = None
             opt.zero_grad()
-            with pytest.raises(TypeError, match="refuses lr=None"):
+            with pytest.raises(TypeError, match="refuses lr=None.*zero_grad.*forward and "
+                               "backward again"):
                 loss_of(model, 1).backward()
             assert not opt.stepped_in_backward
             opt.param_groups[0]["lr"] = KW["lr"]
@@ -261,6 +262,7 @@ def test_a_load_after_a_checksum_error_restores_exactly(tmp_path, where):
     (lambda: (TinyGPT(), "nvme"), ["policy must be a tieroffload.Policy, not 'nvme'",
                                    "Policy(params='nvme', nvme_dir="]),
     (lambda: (TinyGPT(), "cpu"), ["not 'cpu'", "Policy(params='cpu')"]),
+    (lambda: (TinyGPT(), "disk"), ["not 'disk'", "params is one of 'gpu', 'cpu', 'nvme'"]),
     (lambda: (None,), ["model must be a torch.nn.Module, not NoneType"]),
 ])
 def test_offload_of_a_wrong_argument_is_a_one_line_type_error_with_the_fix(args, words):

@@ -386,7 +386,8 @@ def offload(model: nn.Module, policy: BasePolicy | None = None, *,
                         f"{type(model).__name__}")
     if policy is not None and not isinstance(policy, BasePolicy):
         hint = (f'Policy(params={policy!r}, nvme_dir="/mnt/nvme")' if policy == "nvme" else
-                f"Policy(params={policy!r})" if isinstance(policy, str) else "Policy(...)")
+                f"Policy(params={policy!r})" if policy in ("gpu", "cpu") else
+                "Policy(params='nvme', nvme_dir=...) (params is one of 'gpu', 'cpu', 'nvme')")
         raise TypeError(f"tieroffload.offload: policy must be a tieroffload.Policy, not "
                         f"{policy!r}: use tieroffload.offload(model, {hint})")
     if getattr(model, "_tieroffload", None) is not None:

@@ -24,9 +24,11 @@ class HyperCheck:
         self.opt = opt_cls([self.p], **kwargs)
         self.name = opt_cls.__name__
 
-    def check(self, groups: list[dict[str, Any]]) -> None:
+    def check(self, groups: list[dict[str, Any]], in_backward: bool = False) -> None:
         """Raises, naming the group and the suspect value, where ``opt_cls.step`` refuses the
-        hyperparameters of one of ``groups``. The probe starts from no state each time."""
+        hyperparameters of one of ``groups`` (``in_backward``: the check runs in a backward
+        that steps chunks, which it stops part way). The probe starts from no state each
+        time."""
         inner = self.opt.param_groups[0]
         for gi, g in enumerate(groups):
             inner.update({k: v for k, v in g.items() if k != "params"})
@@ -36,21 +38,24 @@ class HyperCheck:
                     self.opt.step()
             except Exception as e:
                 kind = type(e) if isinstance(e, (TypeError, ValueError)) else RuntimeError
-                raise kind(self._refusal(gi, g, e)) from None
+                raise kind(self._refusal(gi, g, e, in_backward)) from None
             finally:
                 self.p.grad = None
                 self.opt.state.clear()
 
-    def _refusal(self, gi: int, group: dict[str, Any], error: Exception) -> str:
+    def _refusal(self, gi: int, group: dict[str, Any], error: Exception,
+                 in_backward: bool) -> str:
         """One line: the group, the values unlike their defaults' type, torch's reason."""
         suspects = [f"{k}={v!r}" for k, v in group.items()
                     if k != "params" and k in self.opt.defaults
                     and not _same_kind(v, self.opt.defaults[k])]
         what = ", ".join(suspects) or "its hyperparameters"
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        redo = ("then opt.zero_grad() and run this batch's forward and backward again (this "
+                "backward stopped part way; nothing was stepped)" if in_backward else
+                "and call step() again (nothing was stepped)")
         return (f"tieroffload: param group {gi}: {self.name}.step() refuses {what} ({reason}); "
-                f"set a valid value in opt.param_groups[{gi}] and call step() again (nothing "
-                "was stepped)")
+                f"set a valid value in opt.param_groups[{gi}] {redo}")
 
 
 def _same_kind(value: Any, default: Any) -> bool:

@@ -669,7 +669,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             return True
         del self._ready[i]
         if not self._stepped:  # refused before the first chunk steps: nothing is torn
-            self.hyper.check(self.param_groups)
+            self.hyper.check(self.param_groups, in_backward=True)
             self._used = self._hyperparameters()
         self._sync_groups(chunk, self._used)
         with torch.no_grad():
