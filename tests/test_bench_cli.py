@@ -54,6 +54,29 @@ def test_json_on_a_read_only_file_system_is_refused_before_measuring(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_plot_that_is_no_image_is_refused_before_measuring(tmp_path):
+    proc = run_cli("--dir", str(tmp_path), "--quick", "--plot", str(tmp_path / "r.txt"))
+    assert_one_line_error(proc, "--plot", "not an image file name")
+    assert os.listdir(tmp_path) == []
+
+
+def test_json_and_plot_at_one_path_are_refused_before_measuring(tmp_path):
+    same = str(tmp_path / "same.png")
+    proc = run_cli("--dir", str(tmp_path), "--quick", "--json", same, "--plot", same)
+    assert_one_line_error(proc, "--json and --plot name the same file")
+    assert os.listdir(tmp_path) == []
+
+
+def test_report_refuses_a_plot_that_is_no_image(tmp_path):
+    run = tmp_path / "run.csv"
+    run.write_text("step\n1\n")
+    proc = subprocess.run([sys.executable, "-m", "tieroffload.cli.bench", "report", str(run),
+                           "--plot", str(tmp_path / "dash.csv")], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "not an image file name" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and sorted(os.listdir(tmp_path)) == ["run.csv"]
+
+
 CHILD = textwrap.dedent("""
     import sys
     from tieroffload.cli.bench import common

@@ -119,3 +119,26 @@ def device_notes(directories: list[str]) -> list[str]:
     if len(shared) == 1 and len(shared[0]) == len(directories):
         return ["these directories share one device: their bandwidths do not add"]
     return [f"{' and '.join(g)} share one device: their bandwidths do not add" for g in shared]
+
+
+# What matplotlib's savefig writes, by the file's suffix.
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".eps", ".ps", ".tif",
+                  ".tiff", ".webp", ".pgf")
+
+
+def check_output(flag: str, path: str | None, image: bool = False) -> None:
+    """An output path that cannot be written (a missing or read-only folder, a folder at the
+    path, with ``image`` a suffix matplotlib cannot write) fails now, not after minutes of
+    measuring."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise BenchError(f"{flag} {path}: no such directory {parent}")
+    if os.path.isdir(path):
+        raise BenchError(f"{flag} {path}: is a directory; give a file name in it")
+    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+        raise BenchError(f"{flag} {path}: not writable")
+    if image and os.path.splitext(path)[1].lower() not in IMAGE_SUFFIXES:
+        raise BenchError(f"{flag} {path}: not an image file name; end it in "
+                         f"{', '.join(IMAGE_SUFFIXES[:3])} or another of {IMAGE_SUFFIXES}")

@@ -10,24 +10,17 @@ import sys
 from typing import Any
 
 from . import report_plot
-from .common import DEFAULT_SIZE, QUICK_SIZE, BenchError, format_size, stopping
+from .common import (
+    DEFAULT_SIZE,
+    QUICK_SIZE,
+    BenchError,
+    check_output,
+    format_size,
+    stopping,
+)
 from .report import figure, format_table, plot
 
 EXTRA = "pip install 'tieroffload[bench]'"  # tqdm, aiofiles, matplotlib
-
-
-def _check_output(flag: str, path: str | None) -> None:
-    """An output path that cannot be written (a missing or read-only folder, a folder at the
-    path) fails now, not after minutes of measuring."""
-    if path is None:
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise BenchError(f"{flag} {path}: no such directory {parent}")
-    if os.path.isdir(path):
-        raise BenchError(f"{flag} {path}: is a directory; give a file name in it")
-    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
-        raise BenchError(f"{flag} {path}: not writable")
 
 
 def _run_nvme() -> Any:
@@ -83,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     stopping.clear()
     previous = {sig: signal.signal(sig, _on_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _check_output("--json", args.json)
-        _check_output("--plot", args.plot)
+        check_output("--json", args.json)
+        check_output("--plot", args.plot, image=True)
+        if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
+            raise BenchError(f"--json and --plot name the same file {args.plot}: give two")
         if args.plot:
             figure()  # matplotlib missing fails now, not after minutes of measuring
         run_nvme = _run_nvme()

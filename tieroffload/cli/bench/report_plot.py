@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from ...core.stats import KINDS
-from .common import BenchError
+from .common import BenchError, check_output
 from .report import figure
 
 GiB = 1 << 30
@@ -153,10 +153,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """``tieroffload-bench report``: 0, or 2 with a one-line error."""
     try:
-        if args.plot:
-            parent = os.path.dirname(os.path.abspath(args.plot))
-            if not os.path.isdir(parent):
-                raise BenchError(f"--plot {args.plot}: no such directory {parent}")
+        check_output("--plot", args.plot, image=True)
         print(summary(read_run(args.csv)))
         if args.plot:
             plot_dashboard(args.csv, args.plot)
