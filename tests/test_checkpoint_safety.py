@@ -539,3 +539,26 @@ def test_a_backup_named_like_a_leftover_is_never_touched(tmp_path, name):
         tieroffload.load_checkpoint(path, model)  # path missing: the backup is not put back
     tieroffload.save_checkpoint(path, model)  # a new checkpoint beside the backup
     assert tree(backup) == before
+
+
+class _NotAllowed:
+    """A type torch.load(weights_only=True) refuses to build."""
+
+
+def test_extra_that_torch_will_not_load_is_refused_naming_the_type_in_plain_text(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(CheckpointError) as e:
+        tieroffload.save_checkpoint(tmp_path / "ckpt", model, extra={"o": _NotAllowed()})
+    msg = str(e.value)
+    assert "\n" not in msg and "\x1b" not in msg and "_NotAllowed" in msg, msg
+    assert not (tmp_path / "ckpt").exists() and os.listdir(tmp_path) == []
+
+
+def test_a_data_file_longer_than_its_manifest_is_not_called_truncated(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    path = tmp_path / "ckpt"
+    tieroffload.save_checkpoint(path, model)
+    with open(path / "tensors.bin", "ab") as f:
+        f.write(b"\0" * 16)
+    with pytest.raises(CheckpointError, match="is longer than its manifest says"):
+        tieroffload.load_checkpoint(path, model)

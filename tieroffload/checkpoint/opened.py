@@ -137,8 +137,9 @@ def _check_size(ck: _Opened, meta: dict[str, Any]) -> BinaryIO:
     f = ck.open("tensors.bin")
     size = os.fstat(f.fileno()).st_size
     if size != meta["size"]:
-        raise CheckpointError(f"checkpoint data {data} is truncated: {size} bytes, the "
-                              f"manifest says {meta['size']}")
+        what = "is truncated" if size < meta["size"] else "is longer than its manifest says"
+        raise CheckpointError(f"checkpoint data {data} {what}: {size} bytes, the manifest says "
+                              f"{meta['size']}")
     for e in meta["tensors"]:
         key, shape, offset, nbytes = e["key"], e["shape"], e["offset"], e["nbytes"]
         want = math.prod(shape) * DTYPES[e["dtype"]].itemsize

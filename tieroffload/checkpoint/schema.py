@@ -164,3 +164,15 @@ def check_optimizer(where: str, optimizer: torch.optim.Optimizer, saved: dict[st
         raise
     except ValueError as e:
         raise CheckpointError(f"checkpoint {where}: {e}") from e
+
+
+def load_refusal(error: Exception) -> str:
+    """One line saying why ``torch.load(weights_only=True)`` refused a file: the unpickler's
+    reason (the type it will not build), without torch's advice and terminal colours."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("WeightsUnpickler error:"):
+            return line.split(". Please use", 1)[0]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0] if lines else type(error).__name__

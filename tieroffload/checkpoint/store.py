@@ -49,7 +49,15 @@ from ..optim.paged import PagedOptimizer
 from ..utils.dist import distributed
 from .folder import Folder
 from .opened import _check_size, _Opened, _verify
-from .schema import DTYPES, FORMAT, VERSION, CheckpointError, check_optimizer, check_saved
+from .schema import (
+    DTYPES,
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    check_optimizer,
+    check_saved,
+    load_refusal,
+)
 from .write import _recover, _write, check_target
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
@@ -246,7 +254,7 @@ def _load(ck: _Opened, meta: dict[str, Any], model: nn.Module,
         saved = torch.load(ef, weights_only=True)
     except Exception as e:
         raise CheckpointError(f"checkpoint {path}: extra.pt is unreadable: "
-                              f"{e}".splitlines()[0]) from e
+                              f"{load_refusal(e)}") from e
     check_saved(saved, path)
     state = getattr(model, "_tieroffload", None)
     params = ([(n, p) for u in state.units for n, p in zip(u.names, u.params)]

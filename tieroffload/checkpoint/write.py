@@ -15,7 +15,7 @@ from torch import nn
 from ..optim.paged import PagedOptimizer
 from .folder import FILES, RANK_DIR, Folder
 from .opened import _complete, _crc, _Opened
-from .schema import FORMAT, MAX_MANIFEST, VERSION, CheckpointError
+from .schema import FORMAT, MAX_MANIFEST, VERSION, CheckpointError, load_refusal
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -220,7 +220,7 @@ def _write(tmp: Folder, model: nn.Module, optimizer: torch.optim.Optimizer | Non
     except Exception as e:  # a lambda, an open file, a type weights_only refuses
         raise CheckpointError(f"extra holds a value that cannot be saved and loaded safely "
                               f"(use dicts, lists, numbers, strings and tensors): "
-                              f"{e}".splitlines()[0]) from e
+                              f"{load_refusal(e)}") from e
     with tmp.read("extra.pt") as f:
         nbytes, crc = _crc(f)
     return {"format": FORMAT, "version": VERSION, "size": size, "tensors": w.entries,
