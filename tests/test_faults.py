@@ -376,11 +376,10 @@ def test_a_backward_that_raises_early_leaves_a_budget_the_retry_fits(tmp_path):
     tieroffload.close(model)
 
 
-@pytest.mark.parametrize("then", ["forward", "step"])
-def test_a_backward_that_raises_after_stepping_chunks_stops_training(tmp_path, then):
-    """With overlap="backward", a backward that raises after some chunks stepped leaves a torn
-    step that no retry can mend: the next forward or step() says so and points to a
-    checkpoint; once one is loaded, training equals plain PyTorch resumed from it."""
+def overlap_pair_with_checkpoint(tmp_path):
+    """(ref, opt_ref, model, opt): a TinyGPT with fused AdamW beside its offloaded copy with a
+    paged AdamW stepping in backward (state on NVMe), both one step in, and the offloaded
+    pair's checkpoint at ``tmp_path / "ckpt"``."""
     torch.manual_seed(0)
     ref = TinyGPT()
     model = tieroffload.offload(copy.deepcopy(ref), nvme_policy(tmp_path, optimizer="nvme"))
@@ -389,6 +388,15 @@ def test_a_backward_that_raises_after_stepping_chunks_stops_training(tmp_path, t
     for m, o in ((ref, opt_ref), (model, opt)):
         train_step(m, o, 0)
     tieroffload.save_checkpoint(tmp_path / "ckpt", model, opt)
+    return ref, opt_ref, model, opt
+
+
+@pytest.mark.parametrize("then", ["forward", "step"])
+def test_a_backward_that_raises_after_stepping_chunks_stops_training(tmp_path, then):
+    """With overlap="backward", a backward that raises after some chunks stepped leaves a torn
+    step that no retry can mend: the next forward or step() says so and points to a
+    checkpoint; once one is loaded, training equals plain PyTorch resumed from it."""
+    ref, opt_ref, model, opt = overlap_pair_with_checkpoint(tmp_path)
     fired = []
 
     def fail_once(module, grad_in, grad_out):

@@ -20,6 +20,7 @@ from test_faults import (
     batch,
     nvme_policy,
     optim_state_of,
+    overlap_pair_with_checkpoint,
     params_of,
     run_faulty,
     train_step,
@@ -35,6 +36,21 @@ def loss_of(model, step: int) -> torch.Tensor:
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def train_on_and_close(model, opt, steps) -> tuple[dict, dict]:
+    """(parameters, optimizer state) after ``steps`` more training steps; both closed."""
+    for s in steps:
+        train_step(model, opt, s)
+    out = params_of(model), optim_state_of(opt)
+    opt.close()
+    tieroffload.close(model)
+    return out
+
+
+def assert_same_runs(runs: dict) -> None:
+    assert_same(runs["clean"][0], runs["bad"][0], "parameters")
+    assert_same(runs["clean"][1], runs["bad"][1], "optimizer state")
 
 
 @pytest.mark.parametrize("bad", [None, "3e-3"])
@@ -62,13 +78,8 @@ def test_a_bad_lr_is_refused_by_step_and_a_fixed_retry_matches_a_clean_run(tmp_p
                 opt.step()
             opt.param_groups[0]["lr"] = KW["lr"]
         opt.step()
-        for s in (2, 3):
-            train_step(model, opt, s)
-        runs[name] = (params_of(model), optim_state_of(opt))
-        opt.close()
-        tieroffload.close(model)
-    assert_same(runs["clean"][0], runs["bad"][0], "parameters")
-    assert_same(runs["clean"][1], runs["bad"][1], "optimizer state")
+        runs[name] = train_on_and_close(model, opt, (2, 3))
+    assert_same_runs(runs)
 
 
 def test_a_bad_lr_with_overlap_backward_is_refused_before_any_chunk_steps(tmp_path):
@@ -91,13 +102,8 @@ def test_a_bad_lr_with_overlap_backward_is_refused_before_any_chunk_steps(tmp_pa
                 loss_of(model, 1).backward()
             assert not opt.stepped_in_backward
             opt.param_groups[0]["lr"] = KW["lr"]
-        for s in (1, 2):
-            train_step(model, opt, s)
-        runs[name] = (params_of(model), optim_state_of(opt))
-        opt.close()
-        tieroffload.close(model)
-    assert_same(runs["clean"][0], runs["bad"][0], "parameters")
-    assert_same(runs["clean"][1], runs["bad"][1], "optimizer state")
+        runs[name] = train_on_and_close(model, opt, (1, 2))
+    assert_same_runs(runs)
 
 
 @pytest.mark.parametrize("opt_cls, kw", [(torch.optim.Adagrad, {}),
@@ -156,14 +162,7 @@ def test_the_first_load_after_a_torn_backward_step_is_honoured(tmp_path):
     """A backward with overlap="backward" that raises after chunks stepped, then at once
     load_checkpoint (no forward or step() between to notice the torn step): the load clears
     it, and training then equals plain PyTorch resumed from the checkpoint."""
-    torch.manual_seed(0)
-    ref = TinyGPT()
-    model = tieroffload.offload(copy.deepcopy(ref), nvme_policy(tmp_path, optimizer="nvme"))
-    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **KW)
-    opt = tieroffload.optimizer(model, torch.optim.AdamW, overlap="backward", **KW)
-    for m, o in ((ref, opt_ref), (model, opt)):
-        train_step(m, o, 0)
-    tieroffload.save_checkpoint(tmp_path / "ckpt", model, opt)
+    ref, opt_ref, model, opt = overlap_pair_with_checkpoint(tmp_path)
 
     def fail(module, grad_in, grad_out):
         raise RuntimeError("injected failure in backward")
