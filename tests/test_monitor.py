@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -325,3 +326,29 @@ def test_the_wandb_writer_logs_each_record_offline(tmp_path, monkeypatch):
     _monitored_run(tmp_path, steps=2, activations=False,
                    writers=[WandbWriter(project="tieroffload-test", dir=str(tmp_path))])
     assert list(tmp_path.rglob("*.wandb"))
+
+
+def test_monitor_step_refuses_a_scalar_that_is_no_number_naming_it_and_counts_nothing():
+    model = tieroffload.offload(torch.nn.Linear(4, 4), tieroffload.Policy(params="cpu",
+                                                                       device="cpu"))
+    monitor = tieroffload.Monitor(model)
+    try:
+        with pytest.raises(TypeError, match="Monitor.step: loss must be a number.*'x'"):
+            monitor.step(loss="x")
+        assert monitor.step_count == 0
+        assert monitor.step(loss=torch.tensor(2.5))["loss"] == 2.5
+    finally:
+        monitor.close()
+        tieroffload.close(model)
+
+
+def test_monitor_step_after_the_model_was_closed_says_so():
+    model = tieroffload.offload(torch.nn.Linear(4, 4), tieroffload.Policy(params="cpu",
+                                                                       device="cpu"))
+    monitor = tieroffload.Monitor(model)
+    tieroffload.close(model)
+    try:
+        with pytest.raises(RuntimeError, match="the model was closed"):
+            monitor.step()
+    finally:
+        monitor.close()

@@ -144,16 +144,20 @@ class Monitor:
         defaults to the watched optimizer's first group's, ``loss_scale`` to a paged
         optimizer's dynamic scale."""
         now = time.perf_counter()
-        self.step_count += 1
-        st = stats(self.model, window=True, reset=True)
+        if getattr(self.model, "_tieroffload", None) is None:
+            raise RuntimeError("Monitor.step: the model was closed (tieroffload.close); "
+                               "monitor.close() too, or offload it again with a new Monitor")
         opt = self.optimizer
         if lr is None and opt is not None and opt.param_groups:
             lr = opt.param_groups[0].get("lr")
         if loss_scale is None and getattr(opt, "scaler", None) is not None:
             loss_scale = opt.scaler.scale
-        scalars = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": loss_scale}
-        rec = make_record(self.step_count, st, self._phases, now - self._t0, self.disk,
-                          {k: None if v is None else float(v) for k, v in scalars.items()})
+        scalars = {k: _number(k, v) for k, v in (("loss", loss), ("lr", lr),
+                                                  ("grad_norm", grad_norm),
+                                                  ("loss_scale", loss_scale))}
+        self.step_count += 1
+        st = stats(self.model, window=True, reset=True)
+        rec = make_record(self.step_count, st, self._phases, now - self._t0, self.disk, scalars)
         self._phases = dict.fromkeys(PHASES, 0.0)
         self.peak_rss = max(self.peak_rss, rec["peak_rss"])
         if self._tracer is not None:
@@ -195,3 +199,15 @@ class Monitor:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _number(name: str, value: Any) -> float | None:
+    """``value`` (None, a number or a one-element tensor) as a float, or a one-line TypeError
+    naming ``name``: raised before the step is counted."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"Monitor.step: {name} must be a number or a one-element tensor, not "
+                        f"{value!r:.60}") from None
