@@ -17,13 +17,11 @@ def _by_kind() -> dict[str, dict[str, int]]:
 
 @dataclass
 class Stats:
-    """Bytes moved per tier and direction, time compute waited, prefetch hits and misses.
-    ``read_by_kind[tier]`` splits ``bytes_read[tier]`` by what the bytes carry (its values
-    sum to it), ``wait_by_kind`` splits ``wait_s``; the ``window_*`` peaks are those since
-    ``start_window`` (the lifetime's until it is first called)."""
+    """Bytes moved per tier, direction and kind (what the bytes carry; ``bytes_read[tier]``
+    is their sum), time compute waited (``wait_by_kind`` splits ``wait_s``), prefetch hits and
+    misses; the ``window_*`` peaks are those since ``start_window`` (the lifetime's until it
+    is first called)."""
 
-    bytes_read: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "nvme": 0})
-    bytes_written: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "nvme": 0})
     read_by_kind: dict[str, dict[str, int]] = field(default_factory=_by_kind)
     written_by_kind: dict[str, dict[str, int]] = field(default_factory=_by_kind)
     wait_s: float = 0.0
@@ -56,9 +54,16 @@ class Stats:
         self.peak_resident = max(self.peak_resident, self.resident)
         self.window_peak_resident = max(self.window_peak_resident, self.resident)
 
+    @property
+    def bytes_read(self) -> dict[str, int]:
+        return {t: sum(k.values()) for t, k in self.read_by_kind.items()}
+
+    @property
+    def bytes_written(self) -> dict[str, int]:
+        return {t: sum(k.values()) for t, k in self.written_by_kind.items()}
+
     def moved(self, tier: str, kind: str, nbytes: int, write: bool) -> None:
         """Counts ``nbytes`` of ``kind`` read from (or written to) ``tier``."""
-        (self.bytes_written if write else self.bytes_read)[tier] += nbytes
         (self.written_by_kind if write else self.read_by_kind)[tier][kind] += nbytes
 
     def waited(self, kind: str, seconds: float) -> None:
@@ -74,8 +79,8 @@ class Stats:
     def as_dict(self) -> dict:
         """The figures (the window's peaks are read through ``hooks.window``)."""
         d = {k: v for k, v in self.__dict__.items() if not k.startswith("window_")}
-        for k in ("bytes_read", "bytes_written", "wait_by_kind"):
-            d[k] = dict(d[k])
+        d["bytes_read"], d["bytes_written"] = self.bytes_read, self.bytes_written
+        d["wait_by_kind"] = dict(d["wait_by_kind"])
         for k in ("read_by_kind", "written_by_kind"):
             d[k] = {t: dict(v) for t, v in d[k].items()}
         d["adaptations"] = list(self.adaptations)
