@@ -960,6 +960,24 @@ def test_leftovers_of_dead_saves_go_and_a_live_ones_stay(tmp_path):
     assert not os.path.exists(dead) and os.path.isdir(live)
 
 
+def test_a_save_killed_before_its_mark_leaves_nothing_behind(tmp_path):
+    """A save killed between making its temporary folder and writing its mark leaves a folder
+    that is empty, or holds a mark cut short: the next load removes it. A folder of that name
+    holding anything else is left alone."""
+    path = str(tmp_path / "ckpt")
+    tieroffload.save_checkpoint(path, mlp(width=16, depth=2))
+    empty, cut, kept = (f"{path}.tmp-{_dead_pid()}" for _ in range(3))
+    for d in (empty, cut, kept):
+        os.mkdir(d)
+    with open(os.path.join(cut, ".tieroffload-save"), "w") as f:
+        f.write("tm")
+    with open(os.path.join(kept, "notes.txt"), "w") as f:
+        f.write("mine")
+    tieroffload.load_checkpoint(path, mlp(width=16, depth=2))
+    assert not os.path.exists(empty) and not os.path.exists(cut)
+    assert os.listdir(kept) == ["notes.txt"]
+
+
 def test_a_checkpoint_planted_by_another_user_is_not_adopted(tmp_path):
     """A complete checkpoint that another user left as ``path.tmp-<dead pid>`` beside a
     missing ``path`` (a shared, sticky directory) is neither put in place, nor loaded, nor

@@ -137,6 +137,17 @@ class Folder:
         except (CheckpointError, OSError):
             return False
 
+    def remove_if_empty(self, name: str) -> None:
+        """Removes the folder ``name`` if it holds nothing, or only a mark (a save killed
+        between making its folder and finishing the mark leaves that): nothing else is lost."""
+        try:
+            with self.sub(name) as sub:
+                if set(sub.names()) <= {MARK}:
+                    _quiet(os.unlink, MARK, dir_fd=sub.fd)
+        except (CheckpointError, OSError):
+            return
+        _quiet(os.rmdir, name, dir_fd=self.fd)
+
     def unmark(self) -> None:
         _quiet(os.unlink, MARK, dir_fd=self.fd)
 

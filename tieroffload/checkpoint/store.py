@@ -85,6 +85,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
             _recover(parent, base)
             if parent.marked(tmp, "tmp", os.getpid()):
                 parent.remove_checkpoint(tmp)  # left by an earlier process of our pid
+            parent.remove_if_empty(tmp)
             with parent.make(tmp) as made:
                 made.mark("tmp", os.getpid())
         if dist:

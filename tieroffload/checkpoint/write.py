@@ -124,11 +124,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _leftovers(parent: Folder, base: str) -> list[tuple[str, str, int]]:
-    """(name, kind, pid) of the folders ``<base>.tmp-<pid>`` and ``<base>.old-<pid>`` in
-    ``parent`` that a save of this host marked as its own (``Folder.mark``): a folder of the
-    user's that only looks like one (a backup named ``ckpt.old-20261207``), or another user's,
-    is never taken for one."""
+def _leftovers(parent: Folder, base: str) -> list[tuple[str, str, int, bool]]:
+    """(name, kind, pid, marked) of this user's folders ``<base>.tmp-<pid>`` and
+    ``<base>.old-<pid>`` in ``parent``; ``marked``: a save of this host marked it as its own
+    (``Folder.mark``). Only a marked one is ever adopted or emptied: a folder of the user's
+    that only looks like one (a backup named ``ckpt.old-20261207``), or another user's, never
+    is."""
     out = []
     for name in parent.names():
         for kind in ("tmp", "old"):
@@ -136,18 +137,20 @@ def _leftovers(parent: Folder, base: str) -> list[tuple[str, str, int]]:
             if not (name.startswith(f"{base}.{kind}-") and tail.isdigit()):
                 continue
             st = parent.lstat(name)
-            if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() \
-                    and parent.marked(name, kind, int(tail)):
-                out.append((name, kind, int(tail)))
+            if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+                out.append((name, kind, int(tail), parent.marked(name, kind, int(tail))))
     return out
 
 
 def _recover(parent: Folder, base: str) -> None:
     """Where ``base`` is missing from ``parent``, puts back the newest complete copy a killed
     save left beside it (a new one whose manifest was written, else the old one); then removes
-    the leftovers of dead processes (their checkpoint files only). A live process's temporary
-    directory is never touched."""
-    dead = [(n, kind) for n, kind, pid in _leftovers(parent, base) if not _alive(pid)]
+    the leftovers of dead processes (their checkpoint files only), and the empty folders of
+    saves killed before they were marked. A live process's temporary directory is never
+    touched."""
+    found = [(n, kind, marked) for n, kind, pid, marked in _leftovers(parent, base)
+             if not _alive(pid)]
+    dead = [(n, kind) for n, kind, marked in found if marked]
     if parent.lstat(base) is None:
         complete = []
         for n, kind in dead:
@@ -159,6 +162,9 @@ def _recover(parent: Folder, base: str) -> None:
             parent.fsync()
     for n, _ in dead:
         parent.remove_checkpoint(n)
+    for n, _, marked in found:
+        if not marked:
+            parent.remove_if_empty(n)
 
 
 def _write(tmp: Folder, model: nn.Module, optimizer: torch.optim.Optimizer | None,
