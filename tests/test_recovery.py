@@ -8,6 +8,7 @@ everything. Helpers come from test_faults.py.
 
 import contextlib
 import copy
+import gc
 import os
 import threading
 
@@ -35,6 +36,9 @@ def loss_of(model, step: int) -> torch.Tensor:
 
 
 def open_fds() -> int:
+    """Descriptors open now, after collecting garbage: an earlier test's unreachable model
+    must not close its files in the middle of a count."""
+    gc.collect()
     return len(os.listdir("/proc/self/fd"))
 
 
