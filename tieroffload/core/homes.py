@@ -1,19 +1,16 @@
-"""Where a unit's bytes live when it is not resident: a RAM buffer or an NVMe extent."""
+"""Where a unit's bytes live when it is not resident: a RAM buffer or an NVMe extent. A home
+moves them itself, through the staging buffers where it needs them (``staging.Staging``)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..aio.engine import Future
 from ..aio.swap import SwapSpace
 from .devices import pinned_empty
+from .staging import Staging
 from .stats import Stats
-
-if TYPE_CHECKING:
-    from .mover import Mover
-    from .units import Unit
+from .units import Unit
 
 
 class Home:
@@ -21,10 +18,10 @@ class Home:
 
     tier: str
 
-    def load(self, unit: Unit, mover: Mover) -> None:
+    def load(self, unit: Unit, staging: Staging) -> None:
         raise NotImplementedError
 
-    def store(self, unit: Unit, mover: Mover) -> None:
+    def store(self, unit: Unit, staging: Staging) -> None:
         raise NotImplementedError
 
     def release(self) -> None:
@@ -46,22 +43,23 @@ class RamHome(Home):
         p = seg.param
         return self.buf[seg.start:seg.end].view(p.dtype).view(p.shape)
 
-    def load(self, unit: Unit, mover: Mover) -> None:
+    def load(self, unit: Unit, staging: Staging) -> None:
         for seg in unit.segments:
             seg.view().copy_(self.buf[seg.start:seg.end], non_blocking=True)
 
-    def store(self, unit: Unit, mover: Mover) -> None:
+    def store(self, unit: Unit, staging: Staging) -> None:
         for seg in unit.segments:
             self.buf[seg.start:seg.end].copy_(seg.view(), non_blocking=True)
-        mover.sync_device()
+        staging.sync()
 
     def release(self) -> None:
         self.buf = None
 
 
 class NvmeHome(Home):
-    """An extent of a swap file. Moves go through the mover's staging buffers in chunks: the
-    read of chunk k+1 is in flight while chunk k is copied out."""
+    """An extent of a swap file. A unit with its own aligned buffer moves by one request;
+    others go through the staging buffers in chunks: the read of chunk k+1 is in flight while
+    chunk k is copied out."""
 
     tier = "nvme"
 
@@ -70,46 +68,42 @@ class NvmeHome(Home):
         self.nbytes = nbytes
         self.offset = swap.alloc(nbytes)
 
-    def _chunks(self, mover: Mover) -> list[tuple[int, int]]:
-        step = mover.chunk
-        return [(a, min(a + step, self.nbytes)) for a in range(0, self.nbytes, step)]
-
     def _padded(self, n: int) -> int:
         return -(-n // self.swap.align) * self.swap.align
 
-    def load(self, unit: Unit, mover: Mover) -> None:
+    def load(self, unit: Unit, staging: Staging) -> None:
         f = self.swap.file
         if unit.flat is not None:
             f.pread(unit.flat, self.offset).result()
             return
-        chunks = self._chunks(mover)
+        chunks = staging.chunks(self.nbytes)
         pending: dict[int, Future] = {}
 
         def issue(k: int) -> None:
             if k < len(chunks):
                 a, b = chunks[k]
-                buf = mover.staging_for(k)
+                buf = staging.buffer(k)
                 pending[k] = f.pread(buf, self.offset + a, self._padded(b - a))
 
-        for k in range(min(mover.nbuf - 1, len(chunks))):
+        for k in range(min(staging.nbuf - 1, len(chunks))):
             issue(k)
         for k, (a, b) in enumerate(chunks):
-            issue(k + mover.nbuf - 1)
+            issue(k + staging.nbuf - 1)
             pending.pop(k).result()
-            mover.scatter(unit, mover.staging_for(k), a, b)
+            staging.scatter(unit, staging.buffer(k), a, b)
 
-    def store(self, unit: Unit, mover: Mover) -> None:
+    def store(self, unit: Unit, staging: Staging) -> None:
         f = self.swap.file
         if unit.flat is not None:
             f.pwrite(unit.flat, self.offset).result()
             return
         inflight: dict[int, Future] = {}
-        for k, (a, b) in enumerate(self._chunks(mover)):
-            slot = k % mover.nbuf
+        for k, (a, b) in enumerate(staging.chunks(self.nbytes)):
+            slot = k % staging.nbuf
             if slot in inflight:
                 inflight.pop(slot).result()
-            buf = mover.staging_for(k)
-            mover.gather(unit, buf, a, b)
+            buf = staging.buffer(k)
+            staging.gather(unit, buf, a, b)
             n = self._padded(b - a)
             if n > b - a:
                 buf[b - a:n].zero_()

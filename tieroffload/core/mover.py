@@ -14,12 +14,11 @@ import torch
 
 from ..aio.engine import Future, error_for
 from . import timeline
-from .devices import pinned_empty
+from .staging import NBUF as NBUF  # the sizes callers give a mover, kept importable here
+from .staging import STAGING_CHUNK as STAGING_CHUNK
+from .staging import Staging
 from .stats import Stats
 from .units import Unit
-
-STAGING_CHUNK = 16 << 20  # staging chunk: NVMe sees I/Os this large
-NBUF = 4  # staging buffers: the fixed overhead is STAGING_CHUNK * NBUF
 
 
 class Ticket:
@@ -68,21 +67,19 @@ class IOTicket(Ticket):
 
 
 class Mover:
-    """One worker thread that runs loads and stores in order, with ``nbuf`` staging buffers of
-    ``chunk`` bytes (pinned on CUDA): the fixed memory overhead of NVMe offload."""
+    """One worker thread that runs loads and stores in order, on a side stream on CUDA, with
+    ``nbuf`` staging buffers of ``chunk`` bytes (``staging.Staging``): the fixed memory
+    overhead of NVMe offload."""
 
     def __init__(self, device: torch.device, chunk: int, nbuf: int, stats: Stats,
                  delay: Callable[[], None] | None = None, checksum: bool = False) -> None:
         self.device = device
         self.checksum = checksum  # CRC-32 of every unit written to NVMe, checked on read
         self.cuda = device.type == "cuda"
-        self.chunk = chunk
-        self.nbuf = nbuf
         self.stats = stats
         self.delay = delay  # tests inject I/O delays here
-        self._staging: list[torch.Tensor] = []
-        self._staging_events: list[torch.cuda.Event | None] = []
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.staging = Staging(chunk, nbuf, self.stats, self.stream)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="tieroffload-mover", daemon=True)
         self._thread.start()
@@ -90,47 +87,11 @@ class Mover:
     @property
     def overhead(self) -> int:
         """Bytes of staging memory this mover holds at most."""
-        return self.chunk * self.nbuf
+        return self.staging.overhead
 
     def held(self) -> list[tuple[int, int]]:
         """The host ranges of the staging buffers made so far (on CUDA, pinned ones)."""
-        return [(t.data_ptr(), t.numel()) for t in self._staging]
-
-    def staging_for(self, k: int) -> torch.Tensor:
-        slot = k % self.nbuf
-        while len(self._staging) <= slot:
-            self._staging.append(pinned_empty(self.chunk, self.cuda, self.stats))
-            self._staging_events.append(None)
-        ev = self._staging_events[slot]
-        if ev is not None:  # the copy that last read this buffer must be done before reuse
-            ev.synchronize()
-            self._staging_events[slot] = None
-        return self._staging[slot]
-
-    def scatter(self, unit: Unit, buf: torch.Tensor, a: int, b: int) -> None:
-        """Copies unit bytes [a, b) from a staging buffer into the parameters."""
-        for seg in unit.segments:
-            lo, hi = max(a, seg.start), min(b, seg.end)
-            if lo < hi:
-                seg.view()[lo - seg.start:hi - seg.start].copy_(buf[lo - a:hi - a],
-                                                                non_blocking=self.cuda)
-        if self.cuda:
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-            self._staging_events[self._staging.index(buf)] = ev
-
-    def gather(self, unit: Unit, buf: torch.Tensor, a: int, b: int) -> None:
-        """Copies unit bytes [a, b) from the parameters into a staging buffer."""
-        for seg in unit.segments:
-            lo, hi = max(a, seg.start), min(b, seg.end)
-            if lo < hi:
-                buf[lo - a:hi - a].copy_(seg.view()[lo - seg.start:hi - seg.start],
-                                         non_blocking=self.cuda)
-        self.sync_device()
-
-    def sync_device(self) -> None:
-        if self.cuda:
-            self.stream.synchronize()
+        return self.staging.held()
 
     def submit(self, fn: Callable[[], None], kind: str = "params", nbytes: int = 0,
                tier: str = "cpu", write: bool = False) -> Ticket:
@@ -164,7 +125,7 @@ class Mover:
             unit.crc = crc_of(unit)
         t0 = time.perf_counter()
         with timeline.ranged(f"tieroffload.{'write' if write else 'read'}.{unit.kind}"):
-            (unit.home.store if write else unit.home.load)(unit, self)
+            (unit.home.store if write else unit.home.load)(unit, self.staging)
         if summed and not write:
             self.verify(unit)
         timeline.io(unit.kind, unit.home.tier, write, unit.nbytes, t0, time.perf_counter())
@@ -233,7 +194,7 @@ class Mover:
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
-        self._staging.clear()
+        self.staging.close()
 
 
 def crc_of(unit: Unit) -> int:

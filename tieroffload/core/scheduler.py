@@ -165,7 +165,7 @@ class Scheduler:
                 self._prefetch(units)
             self.waited = any(u.reading for u in units)
             for u in units:
-                if not self._behind(u):  # readable while its write goes on
+                if u.state is not State.FLUSHING:  # readable while its write goes on
                     self._finish(u)
         except BaseException:
             self.release(units)  # a failed acquire holds nothing: a retry starts afresh
@@ -187,7 +187,7 @@ class Scheduler:
         self.clock += 1
         u.last_use = self.clock
         idle_start = self._prefetched.pop(u.id, False)
-        if u.state is State.RESIDENT:
+        if u.usable:
             self.stats.hits += 1
             return
         if u.state is State.WRITING:  # evicted, not yet freed: its bytes are still here
@@ -209,7 +209,7 @@ class Scheduler:
     def _start_fetch(self, u: Unit) -> None:
         u.allocate(self.pool if u.initialized else None)  # a load overwrites every byte
         self._account(u.nbytes)
-        u.state = State.FETCHING
+        u.move_to(State.FETCHING)
         if u.initialized:
             u.ticket = self.mover.load(u)
         else:
@@ -220,7 +220,7 @@ class Scheduler:
         next acquire reads it afresh); a failed write leaves it RESIDENT and dirty (its values
         are still here, written again at its next eviction). Either way the error is raised.
         A unit that arrives, or whose write is done, is as its home: ``Unit.snapshot``."""
-        moved = u.state is not State.RESIDENT
+        moved = u.state in (State.FETCHING, State.WRITING)
         if u.ticket is not None:
             ticket, u.ticket = u.ticket, None
             try:
@@ -228,12 +228,14 @@ class Scheduler:
             except BaseException:
                 if u.state is State.FETCHING:
                     u.free()
-                    u.state = State.AWAY
+                    u.move_to(State.AWAY)
                     self._account(-u.nbytes)
                 else:
-                    u.state, u.dirty = State.RESIDENT, True
+                    u.move_to(State.RESIDENT)
+                    u.dirty = True
                 raise
-        u.state = State.RESIDENT
+        if u.state is not State.RESIDENT:
+            u.move_to(State.RESIDENT)
         if moved:
             u.snapshot()
 
@@ -245,7 +247,7 @@ class Scheduler:
         recently used. With a prefetch ``target``, only one needed later than the target."""
         best, best_key = None, None
         for u in self.units:
-            if u.state is not State.RESIDENT or u.pins > 0 or u is target or u.home is None:
+            if not u.usable or u.pins > 0 or u is target or u.home is None:
                 continue
             key = self._next_use(u.id) if self.on_track else -u.last_use
             if best_key is None or key > best_key:
@@ -290,9 +292,9 @@ class Scheduler:
         """Frees the unit's storage; one that changed is written back first, asynchronously:
         it stays in memory (and counted) until written, so compute does not wait for the
         write unless the budget needs its memory at once."""
-        if self._behind(u):
+        if u.state is State.FLUSHING:
             if not u.changed:  # its home gets what it holds: freed once that write is done
-                u.state = State.WRITING
+                u.move_to(State.WRITING)
                 self._writing.append(u)
                 return
             self._finish(u)  # written again since: that write goes after this one
@@ -304,7 +306,7 @@ class Scheduler:
             u.ticket = self.mover.store(u)
             u.dirty = False
             u.initialized = True
-            u.state = State.WRITING
+            u.move_to(State.WRITING)
             self._writing.append(u)
             return
         self._free(u)
@@ -312,7 +314,7 @@ class Scheduler:
     def _free(self, u: Unit) -> None:
         self.pool.cap = self.budget - (self.stats.resident - u.nbytes)
         u.free(self.pool)
-        u.state = State.AWAY
+        u.move_to(State.AWAY)
         self._account(-u.nbytes)
         self.stats.evictions += 1
 
@@ -333,13 +335,8 @@ class Scheduler:
         while self._writing:
             self._reap(block=True)
         for u in self.units:
-            if self._behind(u):
+            if u.state is State.FLUSHING:
                 self._finish(u)
-
-    @staticmethod
-    def _behind(u: Unit) -> bool:
-        """Its write was started by ``write_behind`` and not yet waited for."""
-        return u.state is State.RESIDENT and u.ticket is not None
 
     def write_behind(self, units: list[Unit]) -> None:
         """Starts writing the changed ones of ``units`` home now, while they stay resident
@@ -352,17 +349,17 @@ class Scheduler:
         update (no retry could redo that backward): the unit is written again now, and the
         error waits for ``raise_failed_write`` at the next forward."""
         for u in units:
-            if self._behind(u) and u.ticket.done():
+            if u.state is State.FLUSHING and u.ticket.done():
                 try:
                     self._finish(u)  # an earlier one, done: the unit may have changed since
                 except Exception as e:  # left resident and dirty: written again below
                     self._failed_write = self._failed_write or e
-            if u.state is State.RESIDENT and u.ticket is None and u.home is not None \
-                    and u.changed:
+            if u.state is State.RESIDENT and u.home is not None and u.changed:
                 u.dirty = False
                 u.initialized = True
                 u.snapshot()  # a write from here on shows as a change
                 u.ticket = self.mover.store(u)
+                u.move_to(State.FLUSHING)
 
     def raise_failed_write(self) -> None:
         """Raises, once, the error of a write behind that failed (its unit was written again
@@ -373,7 +370,7 @@ class Scheduler:
 
     def flush(self, u: Unit) -> None:
         """Writes a resident unit's values to its home."""
-        if self._behind(u):  # one write at a time to a home: the newer goes last
+        if u.state is State.FLUSHING:  # one write at a time to a home: the newer goes last
             self._finish(u)
         timed_wait(self.mover.store(u), self.stats)
         u.dirty = False
@@ -397,7 +394,8 @@ class Scheduler:
                 return
             uid = self.trace[(self.cursor + step) % n]
             u = self.units[uid]
-            if uid in seen or u.state in (State.RESIDENT, State.WRITING) or u in acquiring:
+            if uid in seen or u.state in (State.RESIDENT, State.FLUSHING, State.WRITING) \
+                    or u in acquiring:
                 continue
             seen.add(uid)
             if budget_bytes is not None:

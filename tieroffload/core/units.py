@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -19,16 +19,49 @@ from ..aio.buffers import aligned_empty
 from ..aio.pages import PAGE, PagePool, discard, renew
 from ..compat.tensors import plain_tensors, version
 
-if TYPE_CHECKING:
-    from .homes import Home
-    from .mover import Ticket
-
 
 class State(enum.Enum):
-    AWAY = "away"          # only in its home
-    FETCHING = "fetching"  # storage allocated, bytes on their way
-    RESIDENT = "resident"
+    """Where a unit's bytes are. See ``TRANSITIONS`` for the moves between states."""
+
+    AWAY = "away"          # only in its home: no storage
+    FETCHING = "fetching"  # storage allocated, its bytes on their way (or none to read)
+    RESIDENT = "resident"  # in memory, no move on its way
+    FLUSHING = "flushing"  # resident and usable, a copy of its bytes on its way home
     WRITING = "writing"    # evicted, its bytes on their way home; freed once written
+
+
+# Every move a unit makes, and who makes it (docs/design.md, "Unit states").
+TRANSITIONS: dict[State, frozenset[State]] = {
+    # a read starts (the scheduler, the paged optimizer); bytes all replaced, no read (the
+    # paged optimizer's load)
+    State.AWAY: frozenset({State.FETCHING, State.RESIDENT}),
+    # the read arrived; the read failed, the storage given back
+    State.FETCHING: frozenset({State.RESIDENT, State.AWAY}),
+    # freed, its home holding its bytes; evicted with a write; written behind
+    State.RESIDENT: frozenset({State.AWAY, State.WRITING, State.FLUSHING}),
+    # the write waited for (done or failed); evicted while the write goes on
+    State.FLUSHING: frozenset({State.RESIDENT, State.WRITING}),
+    # wanted again, or the write failed (bytes kept); the write done, the storage freed
+    State.WRITING: frozenset({State.RESIDENT, State.AWAY}),
+}
+
+USABLE = frozenset({State.RESIDENT, State.FLUSHING})  # compute may read and write its bytes
+
+
+class Move(Protocol):
+    """A move of a unit's bytes on its way (``mover.Ticket``)."""
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+class Place(Protocol):
+    """Where a unit's bytes live when it is not resident (``homes.Home``)."""
+
+    tier: str
+
+    def release(self) -> None: ...
 
 
 @dataclass
@@ -74,9 +107,9 @@ class Unit:
         self.nbytes = self.segments[-1].end if self.segments else 0
         self.flat: torch.Tensor | None = None  # see adopt_flat
         self._pieces: list[int] = []  # mappings of flat's pages placed from a pool, in order
-        self.home: Home | None = None
-        self.state = State.RESIDENT
-        self.ticket: Ticket | None = None
+        self.home: Place | None = None
+        self._state = State.RESIDENT
+        self.ticket: Move | None = None  # the read or write on its way, where one is
         self.pins = 0
         self.dirty = False
         self.writes = 0  # writes from outside the hooks, counted (see Guards.wrote)
@@ -84,6 +117,32 @@ class Unit:
         self.last_use = 0
         self.crc: int | None = None  # of the bytes last written home (Policy(checksum=True))
         self._versions: list[int] | None = None  # see snapshot
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @state.setter
+    def state(self, to: State) -> None:
+        """``unit.state = X``, as hooks/ and optim/ still write it: ``move_to``, where the
+        unit is not in ``X`` already."""
+        if to is not self._state:
+            self.move_to(to)
+
+    def move_to(self, to: State) -> None:
+        """Makes the unit's state ``to``; raises where ``TRANSITIONS`` has no such move."""
+        if to not in TRANSITIONS[self._state]:
+            allowed = ", ".join(sorted(s.name for s in TRANSITIONS[self._state]))
+            raise RuntimeError(f"tieroffload: unit {self.name!r}: {self._state.name} -> "
+                               f"{to.name} is not a transition (from {self._state.name}: "
+                               f"{allowed})")
+        self._state = to
+
+    @property
+    def usable(self) -> bool:
+        """Its bytes are in memory and current: resident, or resident with a copy of them on
+        its way home."""
+        return self._state in USABLE
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -108,7 +167,7 @@ class Unit:
 
     def wants_touch(self) -> bool:
         """An operation outside the hooks must bring it in first: it is not held resident."""
-        return self.pins == 0 or self.state is not State.RESIDENT
+        return self.pins == 0 or not self.usable
 
     def storage_ptrs(self) -> set[int]:
         """The addresses of the storages its parameters view (one, where flat)."""
