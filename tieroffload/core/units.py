@@ -1,5 +1,7 @@
-"""Where a unit's bytes live (RAM, pinned when a GPU is present, or an NVMe extent) and the
-worker that moves them to and from the parameters' storage on the compute device.
+"""Units: the parameters one module owns, moved and accounted together, and the states a unit
+goes through (``State``), changed only by ``Unit.move_to`` along ``TRANSITIONS``. Nothing here
+moves bytes between tiers: homes (``homes``) and the mover (``mover``) do, and this module
+imports neither (``Move`` and ``Place`` say what a unit holds of them).
 
 A unit is the set of parameters one module owns, stored contiguously in its home so that NVMe
 sees one large I/O. On the compute device each parameter keeps its own storage, which is freed
