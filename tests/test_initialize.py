@@ -335,3 +335,34 @@ def test_an_engine_is_called_like_its_model(tmp_path):
     assert torch.equal(engine(x), plain(x))
     assert [n for n, _ in engine.named_parameters()][0].startswith("module.")
     tieroffload.close(engine.module)
+
+
+def test_an_fp16_overflow_skips_the_step_and_the_schedule_and_halves_the_scale():
+    cfg = {"train_batch_size": 2, "fp16": {"enabled": True, "initial_scale_power": 30,
+                                           "hysteresis": 1, "loss_scale_window": 1000},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01,
+                                                        "warmup_max_lr": 0.1,
+                                                        "warmup_num_steps": 10,
+                                                        "warmup_type": "linear"}}}
+    engine, opt, _, sched = tiny(cfg)
+    assert next(engine.module.parameters()).dtype == torch.float16
+    x = torch.randn(2, 4).half()
+    scales, lrs = [], []
+    while engine.skipped_steps == engine.global_steps:  # overflowing: nothing stepped yet
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+        scales.append(opt.loss_scale)
+        lrs.append(engine.get_lr()[0])
+        if engine.skipped_steps == engine.global_steps:
+            after = engine.module.parameters()
+            assert all(torch.equal(a, b) for a, b in zip(before, after))
+    skipped = engine.skipped_steps
+    assert 0 < skipped < 30 and opt.skipped_steps == skipped
+    assert scales == [2.0 ** (30 - i) for i in range(1, skipped + 1)] + [2.0 ** (30 - skipped)]
+    assert lrs == [0.01] * skipped + [0.01]  # the first applied step: iteration 0, still min
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+    assert engine.get_lr()[0] == pytest.approx(0.01 + 0.09 * 1 / 10)
+    assert sched.last_batch_iteration == 1
+    tieroffload.close(engine.module)

@@ -209,7 +209,8 @@ def _activations(config: dict[str, Any], became: dict[str, str], unknown: list[s
                      "them, nothing to partition (no-op)")
     if section.get("cpu_checkpointing"):
         became["activation_checkpointing.cpu_checkpointing"] = (
-            'Policy(activations="cpu"): tensors saved for backward paged to RAM')
+            'Policy(activations="cpu"): tensors saved for backward paged to RAM (with CUDA '
+            "compute; with CPU compute they are in RAM already)")
         return "cpu"
     return None
 
