@@ -27,7 +27,7 @@ SGD_KEYS = {"lr", "momentum", "dampening", "weight_decay", "nesterov"}
 TOP_KEYS = {"zero_optimization", "aio", "bf16", "fp16", "optimizer", "scheduler", "lr_scheduler",
             "gradient_accumulation_steps", "train_batch_size", "train_micro_batch_size_per_gpu",
             "gradient_clipping", "activation_checkpointing", "steps_per_print",
-            "wall_clock_breakdown", *MONITORS}
+            "wall_clock_breakdown", "dataloader_drop_last", *MONITORS}
 
 
 @dataclasses.dataclass
@@ -51,6 +51,7 @@ class Plan:
     steps_per_print: int | None
     wall_clock: bool
     monitor: bool
+    drop_last: bool
     became: dict[str, str]
     unknown: list[str]
     decided: list[str]
@@ -259,5 +260,6 @@ def read_config(config: dict[str, Any], world: int = 1) -> tuple[Plan, list[str]
     plan = Plan(policy=policy, stage=stage, dtype=dtype, loss_scale=loss_scale, opt_cls=opt_cls,
                 opt_kwargs=opt_kwargs, schedule=schedule, micro_batch=micro, accumulation=acc,
                 batch=total, clipping=clipping, steps_per_print=steps, wall_clock=wall,
-                monitor=monitor, became=became, unknown=sorted(unknown), decided=sorted(decided))
+                monitor=monitor, drop_last=bool(config.get("dataloader_drop_last", False)),
+                became=became, unknown=sorted(unknown), decided=sorted(decided))
     return plan, notes

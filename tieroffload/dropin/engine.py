@@ -22,6 +22,7 @@ from ..hooks import offload
 from ..monitor import Monitor
 from ..optim import optimizer as paged_optimizer
 from ..policy import Policy
+from ..utils.dist import world_size
 from .config import Plan, load, read_config
 from .scaler import DeepSpeedLossScale
 from .schedules import Schedule, make_schedule
@@ -195,6 +196,10 @@ def initialize(model: nn.Module, config: dict[str, Any] | str | os.PathLike,
     ``training_data``) yields micro-batches in DeepSpeed's order. Keys nothing uses are logged as
     a warning; ``strict=True`` refuses them. See docs/integrations.md."""
     config = load(config)
+    if world_size() > 1:
+        raise ValueError(f"tieroffload.initialize runs one process, not {world_size()} ranks: "
+                         "use deepspeed.initialize, or FSDP2 with tieroffload "
+                         "(docs/distributed.md)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"tieroffload.initialize: model must be a torch.nn.Module, not "
                         f"{type(model).__name__}")
@@ -234,5 +239,6 @@ def initialize(model: nn.Module, config: dict[str, Any] | str | os.PathLike,
     if training_data is not None:
         sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=1, rank=0)
         loader = torch.utils.data.DataLoader(training_data, batch_size=plan.micro_batch,
-                                             sampler=sampler, collate_fn=collate_fn)
+                                             sampler=sampler, collate_fn=collate_fn,
+                                             drop_last=plan.drop_last)
     return Engine(model, plan, opt, schedule, monitor), opt, loader, schedule
