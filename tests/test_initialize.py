@@ -287,6 +287,10 @@ def test_any_two_batch_sizes_give_the_third(sizes, want):
     ({"train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"lrr": 1}}},
      "optimizer.params.lrr is not a setting of Adam"),
     ({"train_batch_size": 2, "scheduler": {"type": "Cyclic"}}, "scheduler.type 'Cyclic'"),
+    ({"train_batch_size": 2, "zero_optimization": {"stage": 0, "offload_optimizer": {
+        "device": "cpu"}}}, "offload_optimizer needs stage 1, 2 or 3, not stage 0"),
+    ({"train_batch_size": 2, "zero_optimization": {"stage": 2, "offload_param": {
+        "device": "nvme", "nvme_path": "."}}}, "offload_param needs stage 3, not stage 2"),
     ({"train_batch_size": 2, "scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 3}}},
      "scheduler WarmupLR: got an unexpected keyword argument 'warmup_steps'; it takes"),
 ])
@@ -372,4 +376,19 @@ def test_an_fp16_overflow_skips_the_step_and_the_schedule_and_halves_the_scale()
     engine.step()
     assert engine.get_lr()[0] == pytest.approx(0.01 + 0.09 * 1 / 10)
     assert sched.last_batch_iteration == 1
+    tieroffload.close(engine.module)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_zero_stage_keeps_parameters_where_compute_runs_unless_stage_3_pages_them(
+        stage, tmp_path):
+    offload = {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}} if stage else {}
+    if stage == 3:
+        offload["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    engine, *_ = tiny({"train_batch_size": 2, "zero_optimization": {"stage": stage, **offload}})
+    policy = engine.module._tieroffload.policy
+    compute = "gpu" if policy.compute_device().type == "cuda" else "cpu"
+    assert policy.params == ("nvme" if stage == 3 else compute)
+    assert policy.optimizer == ("nvme" if stage else compute)
+    assert engine.plan.stage == stage
     tieroffload.close(engine.module)
