@@ -26,6 +26,7 @@ LAYERS = [
     {"planner"},
     {"policy"},
     {"monitor"},
+    {"dropin"},
     {"__init__"},
     {"cli", "__main__"},
 ]

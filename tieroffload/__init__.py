@@ -4,6 +4,7 @@ from . import aio
 from ._version import __version__
 from .aio.config import IOConfig
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .dropin import initialize
 from .hooks import (
     close,
     drop_stored_grads,
@@ -20,5 +21,5 @@ from .policy import Policy
 
 __all__ = ["AutoBatch", "CheckpointError", "IOConfig", "Monitor", "Policy", "__version__", "aio",
            "close",
-           "drop_stored_grads", "from_pretrained", "load_checkpoint", "load_weights",
+           "drop_stored_grads", "from_pretrained", "initialize", "load_checkpoint", "load_weights",
            "materialize", "offload", "optimizer", "save_checkpoint", "stats"]

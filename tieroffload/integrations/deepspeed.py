@@ -44,8 +44,10 @@ def _count(value: Any, where: str) -> int:
     return n
 
 
-def policy_from_deepspeed(config: dict[str, Any]) -> dict[str, Any]:
-    """The ``Policy.from_dict`` arguments that match ``config``; logs what did not map."""
+def read_offload(config: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """The ``Policy.from_dict`` arguments that ``config``'s ``zero_optimization`` and ``aio``
+    sections give, the keys there tieroffload decides itself, and those it does not know
+    (dotted names). Logs nothing."""
     if not isinstance(config, dict):
         raise ValueError(f"a DeepSpeed config is a dict (or its JSON file), not {config!r:.80}")
     zero = _section(config, "zero_optimization", "")
@@ -60,6 +62,9 @@ def policy_from_deepspeed(config: dict[str, Any]) -> dict[str, Any]:
     if stage != 3 and param.get("device") not in (None, "none"):
         raise ValueError(f"DeepSpeed zero_optimization.offload_param needs stage 3, not stage "
                          f"{stage}: DeepSpeed itself would refuse this config")
+    if stage == 0 and optim.get("device") not in (None, "none"):
+        raise ValueError("DeepSpeed zero_optimization.offload_optimizer needs stage 1, 2 or 3, "
+                         "not stage 0 (no ZeRO): set stage, or remove offload_optimizer")
     out: dict[str, Any] = {}
     unknown: list[str] = []
     decided: list[str] = []
@@ -110,14 +115,23 @@ def policy_from_deepspeed(config: dict[str, Any]) -> dict[str, Any]:
         (decided if k in DECIDED_HERE["aio"] else unknown).append(f"aio.{k}")
     if io:
         out["io"] = io
+    return out, decided, unknown
+
+
+def policy_from_deepspeed(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``Policy.from_dict`` arguments that match ``config``; warns about every key that did
+    not map, those outside ``zero_optimization`` and ``aio`` included (training settings that
+    ``tieroffload.initialize`` applies)."""
+    out, decided, unknown = read_offload(config)
     elements = [k for k in ("prefetch", "cpu_budget", "gpu_budget") if k in out]
     if elements:
         log.info("DeepSpeed element counts read as %d bytes an element: %s", BYTES_PER_ELEMENT,
                  ", ".join(elements))
     elsewhere = sorted(k for k in config if k not in ("zero_optimization", "aio"))
-    if elsewhere:  # batch sizes, precision, clipping: the training code's, not the offload's
-        log.info("DeepSpeed settings outside zero_optimization and aio, not used: %s",
-                 ", ".join(elsewhere))
+    if elsewhere:  # precision, batch sizes, clipping: a migrating user must hear of them
+        log.warning("DeepSpeed settings outside zero_optimization and aio, not used by "
+                    "Policy.from_deepspeed: %s; tieroffload.initialize(model=..., config=...) "
+                    "applies the whole config", ", ".join(elsewhere))
     if decided:
         log.warning("DeepSpeed settings that tieroffload decides itself, not used: %s",
                     ", ".join(sorted(decided)))

@@ -1,0 +1,244 @@
+"""``tieroffload.initialize``: ``deepspeed.initialize`` for one process, over an offloaded model.
+
+The engine is called like the model; ``backward(loss)`` divides the loss by the accumulation
+steps (and multiplies it by the fp16 loss scale); ``step()`` after every micro-batch acts only
+at accumulation boundaries: clipping, the optimizer's step (skipped on an fp16 overflow), the
+schedule, ``zero_grad``, the monitor's record and the progress line. Checkpoints go through
+``tieroffload.save_checkpoint`` as ``save_dir/tag`` with DeepSpeed's ``latest`` file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..hooks import offload
+from ..monitor import Monitor
+from ..optim import optimizer as paged_optimizer
+from ..policy import Policy
+from ..utils.dist import world_size
+from .config import Plan, load, read_config
+from .scaler import DeepSpeedLossScale
+from .schedules import Schedule, make_schedule
+
+log = logging.getLogger("tieroffload")
+
+
+class Engine(nn.Module):
+    """What ``tieroffload.initialize`` returns first: DeepSpeed's engine for one process. See
+    the module docstring; ``module`` is the offloaded model, ``optimizer`` the paged optimizer,
+    ``lr_scheduler`` the schedule, ``global_steps`` the optimizer steps taken (skipped ones
+    included, as DeepSpeed counts)."""
+
+    def __init__(self, module: nn.Module, plan: Plan, opt: torch.optim.Optimizer | None,
+                 schedule: Schedule | None, monitor: Monitor | None) -> None:
+        super().__init__()
+        self.module = module
+        self.plan = plan
+        self.optimizer = opt
+        self.lr_scheduler = schedule
+        self.monitor = monitor
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._global_grad_norm: float | None = None
+        self._losses: list[torch.Tensor] = []
+        self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = self.module(*args, **kwargs)
+        self._times["forward"] += time.perf_counter() - t0
+        return out
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss`` divided by the accumulation steps (as DeepSpeed's
+        ``scale_wrt_gas``), through the fp16 loss scale where there is one."""
+        t0 = time.perf_counter()
+        self._losses.append(loss.detach())
+        if scale_wrt_gas and self.plan.accumulation > 1:
+            loss = loss / self.plan.accumulation
+        if self.optimizer is not None:
+            loss = self.optimizer.scale_loss(loss)
+        loss.backward(retain_graph=retain_graph)
+        self._times["backward"] += time.perf_counter() - t0
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the coming ``step()`` ends an accumulation (steps the optimizer)."""
+        return (self.micro_steps + 1) % self.plan.accumulation == 0
+
+    def step(self) -> None:
+        """Counts a micro-batch; at an accumulation boundary, clips, steps the optimizer and the
+        schedule, zeroes the gradients and reports."""
+        if self.optimizer is None:
+            raise RuntimeError("tieroffload.initialize: step() needs an optimizer: add an "
+                               "optimizer section to the config")
+        t0 = time.perf_counter()
+        if self.is_gradient_accumulation_boundary():
+            opt = self.optimizer
+            if self.plan.clipping > 0:
+                self._global_grad_norm = float(opt.clip_grad_norm_(self.plan.clipping))
+            skipped = opt.skipped_steps
+            opt.step()
+            opt.zero_grad()
+            if opt.skipped_steps > skipped:  # an fp16 overflow: the schedule waits too
+                self.skipped_steps += 1
+            elif self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.global_steps += 1
+            self.global_samples += self.plan.batch
+            self._times["step"] += time.perf_counter() - t0
+            self._report()
+        else:
+            self._times["step"] += time.perf_counter() - t0
+        self.micro_steps += 1
+
+    def _report(self) -> None:
+        losses, self._losses = self._losses, []
+        loss = torch.stack([x.float() for x in losses]).mean() if losses else None
+        if self.monitor is not None:
+            self.monitor.step(loss=loss, lr=self.get_lr()[0], grad_norm=self._global_grad_norm)
+        every = self.plan.steps_per_print
+        if every and self.global_steps % every == 0:
+            line = f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}"
+            if loss is not None:
+                line += f", loss={float(loss):.4f}"
+            if self.plan.wall_clock:
+                line += ", time (ms) | " + " | ".join(f"{k}: {v * 1e3:.1f}"
+                                                      for k, v in self._times.items())
+            log.info("%s", line)
+        if not every or self.global_steps % every == 0:
+            self._times = dict.fromkeys(self._times, 0.0)
+
+    def get_lr(self) -> list[float]:
+        return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradients' total norm at the last step (with ``gradient_clipping`` set)."""
+        return self._global_grad_norm
+
+    def train_batch_size(self) -> int:
+        return self.plan.batch
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.plan.micro_batch
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.plan.accumulation
+
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None,
+                        client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True) -> bool:
+        """The model, the optimizer, the schedule, the counters and ``client_state`` in
+        ``save_dir/tag`` (default tag ``global_step<n>``), and ``save_dir/latest`` naming it."""
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        os.makedirs(save_dir, exist_ok=True)
+        extra = {"client_state": dict(client_state or {}),
+                 "schedule": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+                 "counters": {k: getattr(self, k) for k in (
+                     "global_steps", "global_samples", "micro_steps", "skipped_steps")}}
+        save_checkpoint(os.path.join(save_dir, tag), self.module, self.optimizer, extra=extra)
+        if save_latest:
+            latest = os.path.join(save_dir, "latest")
+            with open(latest + ".tmp", "w") as f:
+                f.write(tag)
+            os.replace(latest + ".tmp", latest)
+        return True
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None
+                        ) -> tuple[str | None, dict[str, Any] | None]:
+        """Restores what ``save_checkpoint`` saved (the tag named in ``load_dir/latest`` by
+        default); returns ``(path, client_state)``, or ``(None, None)`` with a warning where
+        there is no ``latest`` file."""
+        if tag is None:
+            latest = os.path.join(load_dir, "latest")
+            if not os.path.isfile(latest):
+                log.warning("tieroffload.initialize: no checkpoint to load: %s has no 'latest' "
+                            "file (pass tag=...)", os.fspath(load_dir))
+                return None, None
+            with open(latest) as f:
+                tag = f.read().strip()
+        path = os.path.join(load_dir, str(tag))
+        extra = load_checkpoint(path, self.module, self.optimizer)
+        for k, v in extra["counters"].items():
+            setattr(self, k, v)
+        if self.lr_scheduler is not None and extra["schedule"] is not None:
+            self.lr_scheduler.load_state_dict(extra["schedule"])
+        self._losses = []
+        return path, extra["client_state"]
+
+
+def _policy(plan: Plan) -> Policy:
+    fields = dict(plan.policy)
+    device = Policy(**{k: v for k, v in fields.items() if k == "device"}).compute_device()
+    # stage 0-2 (or stage 3 with offload_param none) keep the parameters where compute runs
+    fields.setdefault("params", "gpu" if device.type == "cuda" else "cpu")
+    return Policy.from_dict(fields)
+
+
+def initialize(model: nn.Module, config: dict[str, Any] | str | os.PathLike,
+               model_parameters: Any = None, training_data: Any = None,
+               strict: bool = False, collate_fn: Any = None
+               ) -> tuple[Engine, Any, Any, Schedule | None]:
+    """``deepspeed.initialize`` for one process: ``(engine, optimizer, dataloader,
+    lr_scheduler)`` from a whole DeepSpeed config (a dict or its JSON file). ``model`` is cast to
+    the config's precision and offloaded by its ``zero_optimization`` section; the optimizer is
+    a paged one over ``model_parameters`` (param groups; default all); the dataloader (with
+    ``training_data``) yields micro-batches in DeepSpeed's order. Keys nothing uses are logged as
+    a warning; ``strict=True`` refuses them. See docs/integrations.md."""
+    config = load(config)
+    if world_size() > 1:
+        raise ValueError(f"tieroffload.initialize runs one process, not {world_size()} ranks: "
+                         "use deepspeed.initialize, or FSDP2 with tieroffload "
+                         "(docs/distributed.md)")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tieroffload.initialize: model must be a torch.nn.Module, not "
+                        f"{type(model).__name__}")
+    plan, notes = read_config(config)
+    if plan.unknown and strict:
+        raise ValueError(f"DeepSpeed config key {plan.unknown[0]} is not used by "
+                         "tieroffload.initialize (strict=True): remove it, or pass strict=False")
+    if plan.unknown:
+        log.warning("DeepSpeed settings tieroffload.initialize does not use: %s",
+                    ", ".join(plan.unknown))
+    if plan.decided:
+        log.info("DeepSpeed settings tieroffload decides itself, not used: %s",
+                 ", ".join(plan.decided))
+    for note in notes:
+        log.info("%s", note)
+    if getattr(model, "_tieroffload", None) is not None:
+        raise ValueError("tieroffload.initialize: the model is offloaded already; pass it "
+                         "before tieroffload.offload (initialize offloads it by the config)")
+    if plan.dtype != torch.float32:
+        model.to(plan.dtype)
+    offload(model, _policy(plan))
+    opt = None
+    if plan.opt_cls is not None:
+        scale: Any = None if plan.dtype != torch.float16 else (
+            plan.loss_scale if isinstance(plan.loss_scale, float) else "dynamic")
+        opt = paged_optimizer(model, plan.opt_cls, model_parameters, loss_scale=scale,
+                              **plan.opt_kwargs)
+        if isinstance(plan.loss_scale, dict):
+            opt.scaler = DeepSpeedLossScale(**plan.loss_scale)
+    schedule = None
+    if plan.schedule is not None:
+        if opt is None:
+            raise ValueError("DeepSpeed scheduler needs an optimizer section in the config")
+        schedule = make_schedule(opt, *plan.schedule)
+    monitor = Monitor.from_deepspeed(config, model, opt) if plan.monitor else None
+    loader = None
+    if training_data is not None:
+        sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=1, rank=0)
+        loader = torch.utils.data.DataLoader(training_data, batch_size=plan.micro_batch,
+                                             sampler=sampler, collate_fn=collate_fn,
+                                             drop_last=plan.drop_last)
+    return Engine(model, plan, opt, schedule, monitor), opt, loader, schedule
