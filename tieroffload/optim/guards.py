@@ -5,6 +5,7 @@ backward after ``step()`` with no ``zero_grad()``, options that cannot go togeth
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -54,10 +55,12 @@ class Misuse:
                 "goes unseen), or use overlap=False, which keeps them")
 
 
-def check_alone(ids: frozenset[int], others: list[Any]) -> None:
+def check_alone(opt: Any, live: Iterable[Any]) -> None:
     """Two open paged optimizers stepping the same parameters would each use up what the
     other needs (the paged gradients, the deferred updates): refused at the next training
-    forward or step. ``others``: the model's other open paged optimizers."""
+    forward or step. ``live``: the paged optimizers not closed."""
+    ids = opt._ids
+    others = [o for o in list(opt.offload.optimizers) if o is not opt and o in live]
     for other in others:
         shared = len(ids & other._ids)
         if shared:

@@ -115,6 +115,21 @@ class Layout:
                     inner_group[k] = v
 
 
+def local_params(offload: OffloadState, model: nn.Module, params: list | None) -> list:
+    """The parameters (or param groups) to step, with FSDP's DTensor parameters replaced
+    by their local shards."""
+    local = offload.local
+    out: list = []
+    for x in list(model.parameters()) if params is None else params:
+        if isinstance(x, dict):
+            ps = x["params"]
+            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+            out.append({**x, "params": [local(p) for p in ps]})
+        else:
+            out.append(local(x))
+    return out
+
+
 def build_chunks(offload: OffloadState, param_groups: list[dict[str, Any]],
                  opt_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
                  host: HostStep, pager: StatePager) -> list[Chunk]:

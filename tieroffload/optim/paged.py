@@ -40,7 +40,7 @@ from .guards import (
 )
 from .hyper import HyperCheck
 from .in_backward import BackwardSteps
-from .layout import CHUNK_BYTES, Layout, build_chunks, state_bytes
+from .layout import CHUNK_BYTES, Layout, build_chunks, local_params, state_bytes
 from .masters import HostStep
 from .pager import StatePager
 from .states import ChunkStates
@@ -139,7 +139,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 {"fused", "foreach", "differentiable"} & set(kwargs)):
             kwargs["fused"] = True
         hyper = HyperCheck(opt_cls, kwargs, host)
-        super().__init__(self._local_params(model, params), dict(hyper.opt.defaults))
+        super().__init__(local_params(offload, model, params), dict(hyper.opt.defaults))
         self.hyper = hyper  # refuses at step() what opt_cls's step would refuse later
         self._ids = frozenset(id(p) for g in self.param_groups for p in g["params"])
         check_in_model(self.param_groups, offload.param_unit)
@@ -173,20 +173,6 @@ class PagedOptimizer(torch.optim.Optimizer):
         _live.add(self)
         offload.optimizers.add(self)
 
-    def _local_params(self, model: nn.Module, params: list | None) -> list:
-        """The parameters (or param groups) to step, with FSDP's DTensor parameters replaced
-        by their local shards."""
-        local = self.offload.local
-        out: list = []
-        for x in list(model.parameters()) if params is None else params:
-            if isinstance(x, dict):
-                ps = x["params"]
-                ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-                out.append({**x, "params": [local(p) for p in ps]})
-            else:
-                out.append(local(x))
-        return out
-
     def close(self, apply: bool = True) -> None:
         """Applies what a step() left deferred (it is the model's; not with ``apply=False``,
         as when the model is closed without restoring it), then deletes the swap space this
@@ -214,10 +200,6 @@ class PagedOptimizer(torch.optim.Optimizer):
                 "staging": (self.host.held() + self.pager.own_mover_held(), 0),
                 "parked": (list(self.pager.pool.ranges), 0)}
 
-    def _check_alone(self) -> None:
-        check_alone(self._ids, [o for o in list(self.offload.optimizers)
-                                if o is not self and o in _live])
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Steps every chunk; with ``overlap`` (the default where parameters are paged) each
@@ -234,7 +216,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         backward, updater = self.backward, self.updater
         self.misuse.check_scaled(self.scaler, backward.backwards)
         backward.check_torn()
-        self._check_alone()
+        check_alone(self, _live)
         backward.take_failed_store()
         resuming = updater.deferred.resume
         if not resuming:  # before anything is taken, as torch's step refuses them
@@ -411,7 +393,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         """Before the forward whose backward is the last of ``accumulation_steps``, the first
         chunk that backward steps starts in."""
         self.backward.check_torn()
-        self._check_alone()
+        check_alone(self, _live)
         self.backward.forward_begins()
 
     def backward_begins(self) -> None:
