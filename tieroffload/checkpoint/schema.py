@@ -157,7 +157,7 @@ def check_optimizer(where: str, optimizer: torch.optim.Optimizer, saved: dict[st
     label = "optim/{}/{}".format
     try:
         if isinstance(optimizer, PagedOptimizer):
-            optimizer.check_loadable(groups, state, saved["loss_scale"], label)
+            optimizer.states.check(groups, state, saved["loss_scale"], label)
         else:
             check_plain(optimizer, groups, state, label)
     except CheckpointError:

@@ -331,12 +331,7 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any],
         return st or None
 
     if isinstance(optimizer, PagedOptimizer):
-        optimizer.load_groups(saved["param_groups"])
-        if optimizer.scaler is not None and saved["loss_scale"] is not None:
-            optimizer.scaler.load_state_dict(saved["loss_scale"])
-        index = optimizer._index()
-        for chunk in optimizer.chunks:
-            optimizer.load_chunk(chunk, lambda p: state_of(index[id(p)]))
+        optimizer.states.load(saved["param_groups"], state_of, saved["loss_scale"])
     else:
         n = sum(len(g["params"]) for g in saved["param_groups"])
         state = {i: st for i in range(n) if (st := state_of(i)) is not None}

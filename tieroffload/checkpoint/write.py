@@ -187,19 +187,17 @@ def _write(tmp: Folder, model: nn.Module, optimizer: torch.optim.Optimizer | Non
             w.add(f"buffer/{name}", b)
         groups = None
         if isinstance(optimizer, PagedOptimizer):
-            index = optimizer._index()
-            for chunk in optimizer.chunks:
-                with optimizer.resident(chunk):
-                    for p, st in optimizer.entries(chunk):
+            for part in optimizer.states.chunks():  # one chunk's state in memory at a time
+                with part as entries:
+                    for i, st in entries:
                         for k, v in st.items():
-                            key = f"optim/{index[id(p)]}/{k}"
+                            key = f"optim/{i}/{k}"
                             if isinstance(v, torch.Tensor):
                                 w.add(key, v)
                             else:
                                 scalars[key] = v
-            groups = optimizer.state_dict_groups()
-            if optimizer.scaler is not None:
-                loss_scale = optimizer.scaler.state_dict()
+            groups = optimizer.states.groups()
+            loss_scale = optimizer.states.loss_scale()
         elif optimizer is not None:
             sd = optimizer.state_dict()
             for i, st in sd["state"].items():

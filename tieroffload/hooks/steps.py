@@ -148,33 +148,57 @@ def clip_paged(params: list[torch.Tensor], max_norm: float, norm_type: float = 2
                 if o.owns(paged)), None)
     if opt is not None:
         return opt.clip_params(params, max_norm, norm_type, error_if_nonfinite)
-    norm_type = float(norm_type)
     wanted = {id(p) for p in params}
-    norms: Norms = {}
-    clipped: list[tuple[OffloadState, Unit]] = []
+    stored = [(s.grads, [u], [p for p in u.params if id(p) in wanted])
+              for s in list(live) if s.grads is not None for u in s.units]
+    stored = [g for g in stored if g[2]]
     with torch.no_grad():
-        for s in [s for s in list(live) if s.grads is not None]:
-            for u in s.units:
-                ps = [p for p in u.params if id(p) in wanted]
-                if not ps:
-                    continue
-                s.grads.bring_in([u])
-                try:
-                    add_grad_norms(ps, norm_type, norms, [])
-                finally:
-                    s.grads.put_back([u])
-                clipped.append((s, u))
-        seen = {id(p) for _, u in clipped for p in u.params}
-        resident = [p for p in params if id(p) not in seen]
-        add_grad_norms(resident, norm_type, norms, [])
-        total = total_norm(params, norms, norm_type)
-        coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
-        for p in resident:
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.device))
-        for s, u in clipped:
-            s.grads.clips.setdefault(u.id, []).append(coef)
+        total, coef, _ = clip_norm(params, max_norm, norm_type, error_if_nonfinite, stored)
+        for pager, (u,), _ in stored:
+            pager.clips.setdefault(u.id, []).append(coef)
     return total
+
+
+# (gradient pager or None, units, their parameters among those clipped): None where the
+# gradients are in p.grad, grouped only so that their norms are taken as before.
+Stored = list[tuple[Any, list[Unit], list[torch.Tensor]]]
+
+
+def clip_norm(params: list[torch.Tensor], max_norm: float, norm_type: float,
+              error_if_nonfinite: bool, stored: Stored, earlier: list[torch.Tensor] | None = None,
+              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The norm and clip of ``clip_grad_norm_`` over ``params`` (torch's total, bit for bit),
+    shared by plain and paged optimizers: the gradients of each ``stored`` group with a pager
+    come in for their norms (times ``earlier`` coefficients not applied yet) and go back; the
+    rest are in ``p.grad`` and are clipped now. ``scale``: the gradients are scaled by it (a
+    power of two), the total is not. Returns the total, the coefficient and whether some
+    stored gradient is left for the caller to clip later (by the coefficient)."""
+    norm_type = float(norm_type)
+    norms: Norms = {}
+    seen: set[int] = set()
+    later: set[int] = set()
+    for pager, units, ps in stored:
+        if pager is not None:
+            pager.bring_in(units)
+        try:
+            add_grad_norms(ps, norm_type, norms, (earlier or []) if pager is not None else [])
+        finally:
+            if pager is not None:
+                pager.put_back(units)
+        seen.update(id(p) for p in ps)
+        if pager is not None:
+            later.update(id(p) for p in ps)
+    add_grad_norms([p for p in params if id(p) not in seen], norm_type, norms, [])
+    total = total_norm(params, norms, norm_type)
+    present = [p for p in params if id(p) in norms]
+    if present and scale is not None:  # the gradients are scaled (by a power of two)
+        total = total / scale
+    coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
+    now = [p for p in params if id(p) not in later]
+    for p in now:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device))
+    return total, coef, any(id(p) in later for p in present)
 
 
 def _step_pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
