@@ -61,16 +61,12 @@ def test_any_other_move_is_refused_naming_the_unit_and_the_move(move):
     assert u.state is src
 
 
-def test_assigning_the_state_is_a_checked_move():
-    """``unit.state = X`` (hooks/ and optim/ write it so) is ``move_to``, and nothing where
-    the unit is in ``X`` already."""
+def test_the_state_is_changed_only_by_a_checked_move():
+    """``unit.state`` is read-only: ``move_to`` is the one way a state changes."""
     u = unit_in(State.RESIDENT)
-    u.state = State.RESIDENT
+    with pytest.raises(AttributeError):
+        u.state = State.AWAY
     assert u.state is State.RESIDENT
-    with pytest.raises(RuntimeError, match="RESIDENT -> FETCHING is not a transition"):
-        u.state = State.FETCHING
-    u.state = State.AWAY
-    assert u.state is State.AWAY
 
 
 def test_a_unit_of_separate_storages_round_trips_through_nvme_in_staging_chunks(tmp_path):

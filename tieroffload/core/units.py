@@ -124,13 +124,6 @@ class Unit:
     def state(self) -> State:
         return self._state
 
-    @state.setter
-    def state(self, to: State) -> None:
-        """``unit.state = X``, as hooks/ and optim/ still write it: ``move_to``, where the
-        unit is not in ``X`` already."""
-        if to is not self._state:
-            self.move_to(to)
-
     def move_to(self, to: State) -> None:
         """Makes the unit's state ``to``; raises where ``TRANSITIONS`` has no such move."""
         if to not in TRANSITIONS[self._state]:

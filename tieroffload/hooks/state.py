@@ -219,7 +219,7 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
             else:
                 self.scheduler.flush(u)
             u.free()
-            u.state = State.AWAY
+            u.move_to(State.AWAY)
         if self.device.type == "cpu":
             # Parameters built while glibc's mmap threshold had grown lie inside its heap;
             # freed there, their pages stay in RAM until the heap is trimmed.

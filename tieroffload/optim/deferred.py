@@ -4,7 +4,7 @@ deferred from ``step()`` to the first use of each chunk's parameters."""
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -15,10 +15,17 @@ from .pager import StatePager
 
 if TYPE_CHECKING:
     from ..hooks.state import OffloadState
-    from .in_backward import BackwardSteps
 
 Grads = list[torch.Tensor | None] | None  # a chunk's gradients (None: in the gradient pager)
 
+
+
+class InBackward(Protocol):
+    """What the updater needs of the in-backward steps (``in_backward.BackwardSteps``)."""
+
+    stepped: set[int]
+
+    def read_tail(self, units: list[Unit] | None) -> None: ...
 
 class Deferred:
     """The update a step() took and has not applied yet: each chunk not yet updated with the
@@ -64,7 +71,7 @@ class Updater:
         self.pager = pager
         self.host = host
         self.deferred = Deferred()
-        self.backward: BackwardSteps | None = None  # weak, set once built (it uses this one)
+        self.backward: InBackward | None = None  # weak, set once built (it uses this one)
         self.settling = False
         self.clips: list[torch.Tensor] = []  # clip_grad_norm_ factors of paged gradients
         # zero_grad(set_to_none=False): plain PyTorch keeps a zero p.grad for every parameter

@@ -3,7 +3,7 @@ optimizer of the user's class over them, and the index from units and parameters
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -14,8 +14,6 @@ from ..core.units import Unit
 
 if TYPE_CHECKING:
     from ..hooks.state import OffloadState
-    from .masters import HostStep
-    from .pager import StatePager
 
 CHUNK_BYTES = 16 << 20  # parameters per chunk, at least one unit
 
@@ -132,10 +130,12 @@ def local_params(offload: OffloadState, model: nn.Module, params: list | None) -
 
 def build_chunks(offload: OffloadState, param_groups: list[dict[str, Any]],
                  opt_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
-                 host: HostStep, pager: StatePager) -> list[Chunk]:
+                 make_masters: Callable[[list[nn.Parameter], list[Unit]], dict[int, nn.Parameter]],
+                 put_away: Callable[[Chunk], None]) -> list[Chunk]:
     """The chunks over the groups' parameters, along the model's units, at most
     ``CHUNK_BYTES`` (a quarter of the budget where parameters are paged) but one unit each;
-    their masters are taken now and paged out to their tier at once."""
+    their masters are taken now (``make_masters``) and paged out to their tier at once
+    (``put_away``)."""
     group_index = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
     order: list[list[nn.Parameter]] = []
     units: list[list[Unit]] = []
@@ -156,7 +156,7 @@ def build_chunks(offload: OffloadState, param_groups: list[dict[str, Any]],
         size += u.nbytes
     chunks = []
     for ps, us in zip(order, units):
-        chunk = Chunk(ps, us, host.make_masters(ps, us))
+        chunk = Chunk(ps, us, make_masters(ps, us))
         groups = []
         for gi, g in enumerate(param_groups):
             mine = [chunk.inner_param(i) for i, p in enumerate(ps) if group_index[id(p)] == gi]
@@ -167,8 +167,7 @@ def build_chunks(offload: OffloadState, param_groups: list[dict[str, Any]],
         chunk.inner = opt_cls(groups, **kwargs)
         chunk.inner._tieroffload_inner = True  # a chunk: no over-budget warning for it
         chunks.append(chunk)
-        pager.page_out(chunk)  # the master copies go to their tier at once
-        pager.wait(chunk)
+        put_away(chunk)  # the master copies go to their tier at once
     return chunks
 
 

@@ -148,8 +148,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         self.opt_cls, self.kwargs = opt_cls, kwargs
         self.misuse = Misuse()
         self.pager = StatePager(offload, model, self.tier, host, self.host_step)
-        self.chunks = build_chunks(offload, self.param_groups, opt_cls, kwargs, self.host,
-                                   self.pager)
+        self.chunks = build_chunks(offload, self.param_groups, opt_cls, kwargs,
+                                   self.host.make_masters, self.pager.put_away)
         self.layout = Layout(self.param_groups, self.chunks)
         self.host.size_buffers(self.chunks)
         fp16 = any(p.dtype == torch.float16 for c in self.chunks for p in c.params)

@@ -65,7 +65,7 @@ class StatePager:
         if u is None or u.state is not State.AWAY:
             return
         u.allocate(self.pool)  # the load overwrites every byte
-        u.state = State.FETCHING
+        u.move_to(State.FETCHING)
         chunk.pending = self.mover.load(u)
 
     def wait(self, chunk: Chunk, retry: bool = True) -> None:
@@ -86,19 +86,22 @@ class StatePager:
                 # failed write the state is still here, resident, and goes out again later.
                 if u.state is State.FETCHING:
                     u.free()
-                    u.state = State.AWAY
+                    u.move_to(State.AWAY)
                     if retry and isinstance(e, Exception):
                         self.page_in(chunk)
                         self.wait(chunk, retry=False)
                         return
                 else:  # memory holds the only copy, as a unit's failed write leaves it
+                    u.move_to(State.RESIDENT)
                     u.dirty = True
                 raise
             if u.state is State.FETCHING:
-                u.state = State.RESIDENT
+                u.move_to(State.RESIDENT)
             elif not keep:  # a store finished: the memory can go
                 u.free(self.pool)
-                u.state = State.AWAY
+                u.move_to(State.AWAY)
+            else:  # wanted again while its store was on its way: it stays
+                u.move_to(State.RESIDENT)
 
     def page_out(self, chunk: Chunk) -> None:
         """Starts writing the chunk's state to NVMe; its memory is freed once written."""
@@ -118,9 +121,9 @@ class StatePager:
                 u.adopt_flat(self.swap.align)
                 self.pool.cap = max(self.pool.cap, u.flat.numel())
             chunk.state_unit = u
-        chunk.state_unit.state = State.RESIDENT  # until wait() sees the store done
         chunk.state_unit.dirty = False
         chunk.pending = self.mover.store(chunk.state_unit)
+        chunk.state_unit.move_to(State.WRITING)  # freed once wait() sees the store done
         self.writing.append(chunk)
 
     def state_in(self, chunk: Chunk) -> None:
@@ -157,6 +160,11 @@ class StatePager:
         """Context: the chunk's state is in memory inside the block, and away after it."""
         return _Resident(self, chunk)
 
+    def put_away(self, chunk: Chunk) -> None:
+        """Pages the chunk's state out and waits until it is written."""
+        self.page_out(chunk)
+        self.wait(chunk)
+
     def replace(self, chunk: Chunk, saved_of: Callable[[nn.Parameter], dict | None]) -> None:
         """Replaces one chunk's state with ``saved_of(param)`` (a checked dict of its state,
         or None: no state, as before the first step) and pages it out: one chunk in memory at
@@ -165,7 +173,7 @@ class StatePager:
         self.wait(chunk)
         if chunk.state_unit is not None and chunk.state_unit.state is State.AWAY:
             chunk.state_unit.allocate()  # what is kept is refilled below, the rest dropped
-            chunk.state_unit.state = State.RESIDENT
+            chunk.state_unit.move_to(State.RESIDENT)
         for i, p in enumerate(chunk.params):
             saved = saved_of(p) or {}
             q = chunk.inner_param(i)
@@ -253,4 +261,4 @@ class _Resident:
                 return
             u = self.chunk.state_unit
             u.free(self.pager.pool)
-            u.state = State.AWAY
+            u.move_to(State.AWAY)
