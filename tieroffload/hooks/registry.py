@@ -26,9 +26,14 @@ def states() -> list[OffloadState]:
     return list(live)
 
 
+def find(model: nn.Module) -> OffloadState | None:
+    """``model``'s state, or None where it is not offloaded."""
+    return getattr(model, ATTR, None)
+
+
 def state_of(model: nn.Module) -> OffloadState:
     """``model``'s state; raises where it is not offloaded."""
-    state = getattr(model, ATTR, None)
+    state = find(model)
     if state is None:
         raise ValueError("model is not offloaded (call tieroffload.offload(model, policy))")
     return state
@@ -37,7 +42,7 @@ def state_of(model: nn.Module) -> OffloadState:
 def check_free(model: nn.Module) -> None:
     """Refuses a model that is offloaded already, itself or through a module that contains
     one of its parameters (or that one of its modules contains)."""
-    if getattr(model, ATTR, None) is not None:
+    if find(model) is not None:
         raise ValueError("model is already offloaded; tieroffload.close(model) first")
     for name, p in model.named_parameters():
         if any(id(p) in s.param_unit for s in states()):
