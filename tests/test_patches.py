@@ -86,6 +86,13 @@ c = tieroffload.offload(torch.nn.Linear(8, 8), tieroffload.Policy(params="cpu", 
 assert changed(snapshot(), before) == expect
 tieroffload.close(c)
 assert same(snapshot(), before), changed(snapshot(), before)
+
+d = tieroffload.offload(torch.nn.Linear(8, 8), tieroffload.Policy(params="cpu", device="cpu"))
+assert changed(snapshot(), before) == expect
+del d  # dropped without close
+import gc
+gc.collect()
+assert same(snapshot(), before), changed(snapshot(), before)
 print("ok")
 """
 

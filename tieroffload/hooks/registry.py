@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 ATTR = "_tieroffload"  # the attribute of an offloaded model that holds its state
 live: weakref.WeakSet[OffloadState] = weakref.WeakSet()  # every open OffloadState
+_open: dict[int, weakref.finalize] = {}  # id(state) -> lets its patches go if it is collected
 
 
 def states() -> list[OffloadState]:
@@ -57,14 +58,23 @@ def attach(model: nn.Module, state: OffloadState) -> None:
     setattr(model, ATTR, state)
     live.add(state)
     patches.model_opened()
+    done = _open[id(state)] = weakref.finalize(state, _collected, id(state))
+    done.atexit = False  # at exit, _close_all closes what is open
 
 
 def forget(state: OffloadState) -> None:
     """``state`` is closed: no process-wide hook finds it any more (nothing if it was never
     attached, or is forgotten already)."""
-    if state in live:
+    done = _open.pop(id(state), None)
+    if done is not None and done.detach() is not None:
         live.discard(state)
         patches.model_closed()
+
+
+def _collected(key: int) -> None:
+    """A state dropped without ``close`` (its model collected): its patches are let go."""
+    _open.pop(key, None)
+    patches.model_closed()
 
 
 def detach(model: nn.Module) -> None:
