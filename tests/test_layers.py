@@ -153,7 +153,7 @@ def test_private_torch_names_are_used_only_in_compat():
 
 
 # Packages whose modules still import each other for annotations only (under TYPE_CHECKING):
-# hooks.state, hooks.guards and hooks.steps, being reshaped (issue 38).
+# hooks.registry is typed by the OffloadState it holds, which uses the registry.
 TYPED_CYCLES_LEFT = {"hooks"}
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..hooks import registry
 from ..optim.paged import PagedOptimizer
 from ..utils.dist import distributed
 from .folder import Folder
@@ -257,7 +258,7 @@ def _load(ck: _Opened, meta: dict[str, Any], model: nn.Module,
         raise CheckpointError(f"checkpoint {path}: extra.pt is unreadable: "
                               f"{load_refusal(e)}") from e
     check_saved(saved, path)
-    state = getattr(model, "_tieroffload", None)
+    state = registry.find(model)
     params = ([(n, p) for u in state.units for n, p in zip(u.names, u.params)]
               if state is not None else list(model.named_parameters()))
     tensors = ([("param", n, p) for n, p in params]

@@ -12,6 +12,7 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
+from ..hooks import registry
 from ..optim.paged import PagedOptimizer
 from .folder import FILES, RANK_DIR, Folder
 from .opened import _complete, _crc, _Opened
@@ -170,7 +171,7 @@ def _recover(parent: Folder, base: str) -> None:
 def _write(tmp: Folder, model: nn.Module, optimizer: torch.optim.Optimizer | None,
            extra: Any) -> dict[str, Any]:
     """Writes tensors.bin and extra.pt into ``tmp``; returns the manifest of this part."""
-    state = getattr(model, "_tieroffload", None)
+    state = registry.find(model)
     scalars: dict[str, Any] = {}
     loss_scale = None
     with tmp.create("tensors.bin") as f:

@@ -41,6 +41,8 @@ log = logging.getLogger("tieroffload")
 
 @dataclass
 class ActivationStats:
+    """The activation pager's counters (``stats(model)["activations"]``)."""
+
     offloaded: int = 0       # saved tensors handed to a lower tier
     kept: int = 0            # below the threshold, parameters, other devices: left in place
     bytes_written: int = 0   # storage bytes sent to the tier

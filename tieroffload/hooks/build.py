@@ -1,4 +1,4 @@
-"""Building an offloaded model's units: one per module that owns parameters (or per FSDP
+"""An offloaded model's layout: its units, one per module that owns parameters (or per FSDP
 parameter group), parameters brought off the meta device, the resident budget checked."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from torch import nn
 from ..core.units import Unit
 from ..integrations import fsdp
 from ..utils.sizes import format_bytes
+from .policy import BasePolicy
 
 log = logging.getLogger("tieroffload")
 
@@ -32,8 +33,27 @@ def check_param(module_name: str, name: str, p: nn.Parameter) -> None:
 
 
 
-class UnitBuilder:
-    """The part of ``OffloadState`` that turns a model into units and checks the budget."""
+class Layout:
+    """Which parameters make which unit, and which units each module needs resident at once,
+    built once at ``offload`` and fixed after: units, the modules' units, FSDP shards and
+    their units, the unit of each parameter, the parameters still to load (built on the meta
+    device), and the resident budget they fit."""
+
+    def __init__(self, model: nn.Module, policy: BasePolicy, device: torch.device) -> None:
+        self.policy = policy
+        self.device = device
+        self.fsdp_ids: set[int] = set()
+        self.shards: list[fsdp.Shard] = []  # FSDP's local shards, when the model is sharded
+        groups = self._fsdp_groups(model)
+        self.uninitialized = self._materialize_meta(model)
+        self.units, self.module_units = self._build_units(model)
+        self.fsdp_units = self._build_fsdp_units(model, groups)
+        self.param_unit = {id(s.param): u for u in self.units for s in u.segments}
+        self.param_unit.update({id(s.public): self.param_unit[id(s.local)] for s in self.shards})
+        self._local = {id(s.public): s.local for s in self.shards}
+        self.largest = max(self.units, key=lambda u: u.nbytes, default=None)
+        self.budget = self._check_budget(self.largest)
+        self._add_descendants()
 
     def _fsdp_groups(self, model: nn.Module) -> list[tuple[str, Any]]:
         """FSDP2's parameter groups, initialised as its first forward would; their DTensor
@@ -48,7 +68,7 @@ class UnitBuilder:
                 f"state; grads={policy.grads!r} and activations={policy.activations!r} are not "
                 'supported: keep gradients on the compute device and activations=None')
         fsdp.lazy_init(model)
-        self._fsdp_ids = {id(fp.sharded_param) for _, g in groups for fp in g.fsdp_params}
+        self.fsdp_ids = {id(fp.sharded_param) for _, g in groups for fp in g.fsdp_params}
         return groups
 
     def _build_fsdp_units(self, model: nn.Module,
@@ -71,7 +91,7 @@ class UnitBuilder:
         new: dict[int, nn.Parameter] = {}
         for module in model.modules():
             for name, p in module._parameters.items():
-                if p is None or p.device.type != "meta" or id(p) in self._fsdp_ids:
+                if p is None or p.device.type != "meta" or id(p) in self.fsdp_ids:
                     continue
                 if id(p) not in new:
                     t = torch.empty(p.shape, dtype=p.dtype, device=self.device)
@@ -88,7 +108,7 @@ class UnitBuilder:
             own: list[tuple[str, nn.Parameter]] = []
             used: list[Unit] = []
             for pname, p in module._parameters.items():
-                if p is None or id(p) in self._fsdp_ids:
+                if p is None or id(p) in self.fsdp_ids:
                     continue
                 if id(p) in owner:
                     if owner[id(p)] not in used:
@@ -107,7 +127,7 @@ class UnitBuilder:
                 module_units[module] += [u for u in used if u not in module_units[module]]
         return units, module_units
 
-    def _add_descendants(self, model: nn.Module) -> None:
+    def _add_descendants(self) -> None:
         """A module that owns parameters may use its children's parameters without calling them
         (nn.MultiheadAttention reads out_proj.weight): it also acquires their units, where they
         fit the budget together."""
@@ -161,3 +181,24 @@ class UnitBuilder:
                     f"once{also}")
         return budget
 
+
+    def local(self, p: torch.Tensor) -> torch.Tensor:
+        """What an optimizer steps for parameter ``p``: its local shard for an FSDP DTensor
+        parameter, else ``p`` itself."""
+        return self._local.get(id(p), p)
+
+    def check_loaded(self, units: list[Unit]) -> None:
+        """Raises for a parameter of ``units`` built on the meta device and never loaded."""
+        if not self.uninitialized:
+            return
+        for u in units:
+            for n, p in zip(u.names, u.params):
+                if id(p) in self.uninitialized:
+                    raise RuntimeError(
+                        f"tieroffload: parameter {n!r} was built on the meta device and never "
+                        "loaded (tieroffload.load_weights or load_state_dict)")
+
+    def mark_loaded(self, params: list[torch.Tensor]) -> None:
+        """``params`` hold their values now (loaded)."""
+        for p in params:
+            self.uninitialized.discard(id(p))

@@ -24,6 +24,9 @@ from ..core.units import Unit
 
 
 class GradPager:
+    """One model's paged gradients: a buffer per unit, summed into its home as each unit's
+    backward ends, brought back for a step, which consumes them (see the module's text)."""
+
     DEPTH = 2  # units whose gradients may wait for the mover at once
 
     def __init__(self, units: list[Unit], home: Callable[[int], Home], mover: Mover,

@@ -11,6 +11,7 @@ has dispatched."""
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -22,10 +23,12 @@ from torch.nn.modules.module import (
 
 from ..compat.tensors import plain_tensors
 from ..core.units import Unit
-from .steps import live
+from . import patches, registry
+from .build import Layout
+from .contract import PagedOptimizer, settle
 
 if TYPE_CHECKING:
-    from .state import OffloadState
+    from .tiers import Tiers
 
 
 def check_not_dispatched(model: nn.Module) -> None:
@@ -79,6 +82,25 @@ def _check_same_layout(p: torch.Tensor, new: torch.Tensor) -> None:
             f"on an offloaded parameter of {tuple(p.shape)} {p.dtype} on {p.device} "
             "(resize_token_embeddings, a conversion): change shapes, dtypes and devices "
             "before tieroffload.offload, or close(model) first")
+
+
+def refuse_deepcopy(self: object, memo: dict) -> None:
+    """``__deepcopy__`` of every object the hooks of an offloaded model reach."""
+    raise TypeError(_COPY_ERROR)
+
+
+def refuse_pickle(self: object, protocol: Any) -> Any:
+    """``__reduce_ex__`` of every object the hooks of an offloaded model reach (pickle meets
+    them through the hooks, or through ``model._tieroffload``)."""
+    raise TypeError("pickling a model under tieroffload.offload (torch.save(model)) is not "
+                    "supported: save model.state_dict() or tieroffload.save_checkpoint")
+
+
+def mark_written(u: Unit) -> None:
+    """Code outside the hooks wrote ``u`` (or may yet, through a view it holds): it is
+    written home when evicted, and a paged optimizer re-reads it into its fp32 masters."""
+    u.dirty = True
+    u.writes += 1
 
 
 _owner_of: dict[int, tuple[Guards, Unit]] = {}  # id(parameter) -> its model's state, unit
@@ -165,28 +187,44 @@ def _storages(out: Any) -> set[int]:
 
 
 class Guards:
-    """The part of ``OffloadState`` that keeps reads right and refuses what would break the
-    offloaded model."""
+    """Keeps reads of an offloaded model's parameters right and refuses what would break it:
+    an operation outside the hooks brings a unit in (``touch``) and holds it while a view of
+    it lives; a conversion of the model (``model.half()``) is refused. Holds the units such
+    views hold, the depth of open ``materialize`` blocks and of ``state_dict()`` calls."""
 
-    def _install_guards(self, model: nn.Module) -> None:
-        self._module_ids = {id(m) for m in model.modules()}
+    __deepcopy__ = refuse_deepcopy
+    __reduce_ex__ = refuse_pickle
+
+    def __init__(self, layout: Layout, tiers: Tiers,
+                 optimizers: weakref.WeakSet[PagedOptimizer]) -> None:
+        self.layout = layout
+        self.tiers = tiers
+        self.optimizers = optimizers
+        self.module_ids: set[int] = set()  # the model's modules: assigning one is refused
+        self._touched: list[Unit] = []  # held for views taken outside the hooks
+        self._quiet = 0  # inside state_dict(), whose hooks hand out the true values
+        self.materialized = 0  # depth of materialize() blocks open
+
+    def install(self, model: nn.Module, undo: list[Callable[[], None]]) -> None:
+        """Guards the model's parameters and its modules' ``_apply``; ``undo`` undoes it."""
+        self.module_ids = {id(m) for m in model.modules()}
         for m in model.modules():
             m._apply = self._guard_apply(m, m._apply)
-            self._undo.append(lambda m=m: m.__dict__.pop("_apply", None))
-        for u in self.units:
+            undo.append(lambda m=m: m.__dict__.pop("_apply", None))
+        for u in self.layout.units:
             for p in u.params:
                 if type(p) is nn.Parameter:  # not FSDP's DTensors
                     p.__class__ = OffloadedParameter
                     _owner_of[id(p)] = (self, u)
-                    self._undo.append(lambda p=p: _unguard(p))
+                    undo.append(lambda p=p: _unguard(p))
 
     def touch(self, u: Unit) -> None:
         """Brings ``u`` in for an operation outside the hooks (see ``untouch``)."""
         if self._quiet:  # state_dict(): its hooks hand out the true values
             return
-        self.check_loaded([u])
-        self.settle([u])
-        self.scheduler.acquire([u], force=True, record=False)
+        self.layout.check_loaded([u])
+        settle(self.optimizers, [u])
+        self.tiers.scheduler.acquire([u], force=True, record=False)
 
     def untouch(self, u: Unit, hold: bool, wrote: bool) -> None:
         """After the operation: a unit it wrote is changed (written home when evicted); one
@@ -197,9 +235,9 @@ class Guards:
         if hold:
             self._touched.append(u)
         else:
-            self.scheduler.release([u])
+            self.tiers.scheduler.release([u])
         if hold or wrote:
-            self.wrote(u)
+            mark_written(u)
 
     def held_view(self, u: Unit, view: bool) -> None:
         """An operation on a parameter of ``u`` while something else holds it: a result that
@@ -209,20 +247,14 @@ class Guards:
         if self._quiet or not view:
             return
         if self.materialized:
-            self.scheduler.acquire([u], force=True, record=False)
+            self.tiers.scheduler.acquire([u], force=True, record=False)
             self._touched.append(u)
-        self.wrote(u)
+        mark_written(u)
 
     def before_write(self, u: Unit) -> None:
         """Refuses a write the paged optimizers cannot follow (see ``check_write``)."""
         for opt in list(self.optimizers):
             opt.check_write(u)
-
-    def wrote(self, u: Unit) -> None:
-        """Code outside the hooks wrote ``u`` (or may yet, through a view it holds): it is
-        written home when evicted, and a paged optimizer re-reads it into its fp32 masters."""
-        u.dirty = True
-        u.writes += 1
 
     def viewed(self) -> list[Unit]:
         """The units that views taken outside the hooks hold (see ``untouch``)."""
@@ -232,11 +264,16 @@ class Guards:
         """Lets the units that views taken outside the hooks hold go (see ``untouch``)."""
         units, self._touched = self._touched, []
         self._quiet = 0  # a state_dict() that raised
-        self.scheduler.release(units)
-        self.scheduler.trim()
+        self.tiers.scheduler.release(units)
+        self.tiers.scheduler.trim()
 
-    def _quiet_begin(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        self._quiet += 1  # until the module's state-dict post hook
+    def quiet_begin(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """A module's ``state_dict()`` begins (a state-dict pre hook)."""
+        self._quiet += 1  # until the module's state-dict post hook (quiet_end)
+
+    def quiet_end(self) -> None:
+        """A module's ``state_dict()`` is done."""
+        self._quiet = max(self._quiet - 1, 0)
 
     def _guard_apply(self, module: nn.Module, orig: Callable) -> Callable:
         probes = {(p.dtype, p.device) for p in module.parameters()}
@@ -252,41 +289,15 @@ class Guards:
             return orig(fn, *args, **kwargs)
         return _apply
 
-    def __deepcopy__(self, memo: dict) -> None:
-        raise TypeError(_COPY_ERROR)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:  # pickle reaches it through the hooks
-        raise TypeError("pickling a model under tieroffload.offload (torch.save(model)) is not "
-                        "supported: save model.state_dict() or tieroffload.save_checkpoint")
-
-    def check_loaded(self, units: list[Unit]) -> None:
-        """Raises for a parameter of ``units`` built on the meta device and never loaded."""
-        if not self._uninitialized:
-            return
-        for u in units:
-            for n, p in zip(u.names, u.params):
-                if id(p) in self._uninitialized:
-                    raise RuntimeError(
-                        f"tieroffload: parameter {n!r} was built on the meta device and never "
-                        "loaded (tieroffload.load_weights or load_state_dict)")
-
-    def mark_loaded(self, params: list[torch.Tensor]) -> None:
-        for p in params:
-            self._uninitialized.discard(id(p))
-
 
 def _unguard(p: torch.Tensor) -> None:
     p.__class__ = nn.Parameter
     _owner_of.pop(id(p), None)
 
 
-def _owner(module: nn.Module) -> OffloadState | None:
-    return next((s for s in list(live) if id(module) in getattr(s, "_module_ids", ())), None)
-
-
 def _module_registered(module: nn.Module, name: str, sub: nn.Module | None) -> None:
-    s = _owner(module)
-    if s is not None and sub is not None and id(sub) not in s._module_ids:
+    s = registry.state_of_module(module)
+    if s is not None and sub is not None and id(sub) not in s.guards.module_ids:
         raise ValueError(
             f"tieroffload: module {name!r} assigned into an offloaded model (resize_token_"
             "embeddings, a replaced layer): change modules before tieroffload.offload, or "
@@ -294,12 +305,23 @@ def _module_registered(module: nn.Module, name: str, sub: nn.Module | None) -> N
 
 
 def _param_registered(module: nn.Module, name: str, p: nn.Parameter | None) -> None:
-    s = _owner(module)
+    s = registry.state_of_module(module)
     if s is not None and p is not None and id(p) not in s.param_unit:
         raise ValueError(
             f"tieroffload: parameter {name!r} assigned into an offloaded model: change "
             "parameters before tieroffload.offload, or close(model) first")
 
 
-register_module_module_registration_hook(_module_registered)
-register_module_parameter_registration_hook(_param_registered)
+def _install_registration_hooks() -> Callable[[], None]:
+    """torch's process-wide hooks on modules and parameters assigned into a module: refuse
+    those assigned into an offloaded model (``_module_registered``, ``_param_registered``)."""
+    handles = [register_module_module_registration_hook(_module_registered),
+               register_module_parameter_registration_hook(_param_registered)]
+
+    def undo() -> None:
+        for h in handles:
+            h.remove()
+    return undo
+
+
+patches.register("module and parameter registration hooks", _install_registration_hooks)

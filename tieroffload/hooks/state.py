@@ -1,48 +1,93 @@
 """``offload(model, policy)``: parameters live in a lower tier and are brought to the compute
 device just ahead of the module that needs them, by forward and backward hooks.
 
-Per-model state lives in one ``OffloadState`` (``model._tieroffload``). The model is changed in
-place and keeps its ``nn.Parameter`` objects, so optimizers built before or after see the same
-parameters.
+Per-model state lives in one ``OffloadState`` (``model._tieroffload``, see ``registry``), the
+root that owns one collaborator per concern (docs/design.md, "who owns what"). The model is
+changed in place and keeps its ``nn.Parameter`` objects, so optimizers built before or after
+see the same parameters.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import weakref
 from collections.abc import Iterator
 from typing import Any, Callable
 
 from torch import nn
 
-from ..aio.swap import SwapSpace, stable_tag
-from ..core.homes import NvmeHome, RamHome
-from ..core.mover import NBUF, STAGING_CHUNK, Mover
-from ..core.scheduler import Scheduler
+from ..core.homes import RamHome
 from ..core.stats import Stats
 from ..core.threads import CoreLender
-from ..core.units import State, Unit
-from ..integrations import accelerate, fsdp
+from ..core.units import State
 from ..utils import memory
-from ..utils.dist import world_size
-from ..utils.sizes import format_bytes
-from .activations import ActivationPager
-from .build import UnitBuilder
-from .grads import GradPager
-from .guards import Guards, check_not_dispatched
-from .passes import PassHooks
+from . import registry
+from .build import Layout
+from .contract import PagedOptimizer, settle
+from .guards import Guards, check_not_dispatched, mark_written, refuse_deepcopy, refuse_pickle
+from .passes import Passes
 from .policy import BasePolicy
-from .state_dict import StateDictHooks
-from .steps import StepHooks, clip_paged, has_paged_grads, live
+from .state_dict import StateDicts
+from .steps import PlainSteps, accelerate_clip
+from .tiers import Tiers
 from .window import Window, gpu_memory, io_split
 
-log = logging.getLogger("tieroffload")
+
+class Owned:
+    """An attribute of ``OffloadState`` that one of its collaborators owns: read (and set)
+    there, so that code written against the state (the paged optimizer, checkpoints, tests)
+    finds it under its old name while one object holds it."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.name = ""
+
+    def __set_name__(self, cls: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, state: Any, cls: type | None = None) -> Any:
+        if state is None:
+            return self
+        return getattr(getattr(state, self.owner), self.name)
+
+    def __set__(self, state: Any, value: Any) -> None:
+        setattr(getattr(state, self.owner), self.name, value)
 
 
-class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
-    """Everything tieroffload keeps for one wrapped model."""
+class OffloadState:
+    """Everything tieroffload keeps for one wrapped model: the root that owns the model's
+    ``layout`` (units, budget), ``tiers`` (engine, swap, mover, scheduler, pagers, residency),
+    ``guards`` (operations outside the hooks), ``passes`` (forward and backward hooks, the
+    training phase), ``state_dicts`` (state-dict hooks), ``steps`` (plain optimizers' steps),
+    and the paged ``optimizers`` over it. It closes them all (``close``)."""
+
+    __deepcopy__ = refuse_deepcopy
+    __reduce_ex__ = refuse_pickle
+
+    units = Owned("layout")
+    module_units = Owned("layout")
+    fsdp_units = Owned("layout")
+    shards = Owned("layout")
+    param_unit = Owned("layout")
+    budget = Owned("layout")
+    local = Owned("layout")
+    check_loaded = Owned("layout")
+    mark_loaded = Owned("layout")
+    engine = Owned("tiers")
+    swap = Owned("tiers")
+    mover = Owned("tiers")
+    scheduler = Owned("tiers")
+    grads = Owned("tiers")
+    activations = Owned("tiers")
+    resident = Owned("tiers")
+    materialized = Owned("guards")
+    viewed = Owned("guards")
+    before_write = Owned("guards")
+    settle_failed_backward = Owned("passes")
+    backward_raised = Owned("passes")
+    phase = Owned("passes")
+    wrote = staticmethod(mark_written)
 
     def __init__(self, model: nn.Module, policy: BasePolicy,
                  io_delay: Callable[[], None] | None = None) -> None:
@@ -52,57 +97,34 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
         self.window = Window()  # see stats(model, window=True)
         self.cores = CoreLender(policy.lend_core and policy.params == "nvme"
                                 and self.device.type == "cpu")
-        self._handles: list[Any] = []
-        self._bwd_pins: dict[int, int] = {}
-        self._fwd_pins: dict[int, int] = {}  # unit id -> forwards that acquired, not released
-        self._touched: list[Unit] = []  # held for views taken outside the hooks (guards)
-        self._quiet = 0  # inside state_dict(), whose hooks hand out the true values
-        self._copies: dict[int, tuple[str, Any]] = {}  # id(p) -> its last state-dict copy
-        self._bwd_callback_queued = False
-        self._fresh_forward = False  # a forward ran since the last backward began
-        self._counted = False  # the backward under way counted as a micro-batch
-        self.materialized = 0  # depth of materialize() blocks open
-        self._opt_pins: dict[int, tuple[list[Unit], bool]] = {}  # optimizer -> units, grads
-        self._grads_seen: dict[int, int] = {}
-        self._deferred: list[Unit] = []  # units whose gradients wait for the end of backward
-        self._defer_grads = False
-        self.swap: SwapSpace | None = None
-        self.grads: GradPager | None = None
-        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # paged ones, closed with us
-        self.pending_opts: set[Any] = set()  # paged ones with deferred updates: kept alive
-        self.engine = None
-        self.mover: Mover | None = None
-        self.scheduler: Scheduler | None = None
-        self.activations: ActivationPager | None = None
+        self.optimizers: weakref.WeakSet[PagedOptimizer] = weakref.WeakSet()  # closed with us
+        self.pending_opts: set[PagedOptimizer] = set()  # with deferred updates: kept alive
         self.autobatch: Any = None  # an AutoBatch over this model reports in stats()
-        self._fsdp_ids: set[int] = set()
-        self.shards: list[fsdp.Shard] = []  # FSDP's local shards, when the model is sharded
-        self._undo: list[Callable[[], None]] = []  # FSDP methods wrapped by us
+        self._handles: list[Any] = []  # hooks on the model, removed at close
+        self._undo: list[Callable[[], None]] = []  # other changes to it, undone at close
 
         if policy.params == "gpu" and self.device.type != "cuda":
             raise ValueError('params="gpu" needs a CUDA compute device; this one is '
                              f"{self.device}")
         self.offloaded = policy.pages_params
-        fsdp_groups = self._fsdp_groups(model)
-        self._uninitialized = self._materialize_meta(model)
-        self.units, self.module_units = self._build_units(model)
-        self.fsdp_units = self._build_fsdp_units(model, fsdp_groups)
-        self.param_unit = {id(s.param): u for u in self.units for s in u.segments}
-        self.param_unit.update({id(s.public): self.param_unit[id(s.local)] for s in self.shards})
-        self._local = {id(s.public): s.local for s in self.shards}
-        largest = max(self.units, key=lambda u: u.nbytes, default=None)
-        self.budget = self._check_budget(largest)
-        self._add_descendants(model)
+        self.layout = Layout(model, policy, self.device)
+        self.tiers = Tiers(policy, self.device, self.stats, self.optimizers)
+        self.guards = Guards(self.layout, self.tiers, self.optimizers)
+        self.passes = Passes(self.layout, self.tiers, self.guards, self.optimizers, policy,
+                             self.cores, self.stats)
+        self.state_dicts = StateDicts(self.layout, self.tiers, self.guards, self.optimizers)
+        self.steps = PlainSteps(self.layout, self.tiers)
+        largest = self.layout.largest
 
         if not self.offloaded or largest is None:
             # Resident tier: the parameters stay where compute is; nothing moves.
             for p in model.parameters():
-                if id(p) in self._uninitialized:
+                if id(p) in self.layout.uninitialized:
                     p.untyped_storage().resize_(p.numel() * p.element_size())
                 elif p.device != self.device:
                     p.data = p.data.to(self.device)
         elif self.device.type == "cuda" and policy.cpu_budget is not None:
-            self._check_ram_homes(policy)
+            self.tiers.check_ram_homes(self.layout)
         if policy.pages_grads:
             sparse = next((n for n, m in model.named_modules()
                            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse), None)
@@ -113,134 +135,24 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
                     'compute device (grads="cpu" on the CPU, grads="gpu" with CUDA)')
         try:  # a failure here (no room on the disk, say) leaves no thread or file behind
             if self.offloaded and largest is not None:
-                self._setup_tiers(largest, io_delay)
-                self._install_hooks(model)
-                self._install_guards(model)
+                self.tiers.setup(self.layout, io_delay)
+                self.passes.install(model, self._handles, self._undo)
+                self.state_dicts.install(model, self._handles)
+                self.guards.install(model, self._undo)
                 if self.grads is not None:  # what p.grad None hides from the user's tools
-                    accelerate.route_clip(has_paged_grads, clip_paged)
+                    accelerate_clip.hold()
+                    self._undo.append(accelerate_clip.let_go)
                 # paged gradients and a paged optimizer's step see each zero_grad()
-                self._forget_grads_on_zero_grad(model)
+                self.steps.install(model, self._undo)
             if policy.activations is not None:
-                self._setup_activations(model, io_delay)
+                self.tiers.setup_activations(model, self.layout.units, io_delay, self._handles)
         except BaseException:
             self.close(restore=False)
             raise
-        live.add(self)
 
-    def _setup_tiers(self, largest: Unit, io_delay: Callable[[], None] | None) -> None:
-        policy = self.policy
-        self.engine = policy.io.engine()
-        chunk = min(STAGING_CHUNK, -(-max(largest.nbytes, 1) // 4096) * 4096)
-        self.mover = Mover(self.device, chunk, NBUF, self.stats, io_delay,
-                           checksum=self.policy.checksum)
-        if policy.params == "nvme":
-            if self.device.type == "cpu":
-                memory.return_freed_memory(memory.heap_reuse(self.budget))
-            names = [f"{n}:{tuple(s.param.shape)}:{s.param.dtype}"
-                     for u in self.units for n, s in zip(u.names, u.segments)]
-            need = sum(-(-u.nbytes // 4096) * 4096 for u in self.units)
-            self.swap = SwapSpace(policy.nvme_dir, need, stable_tag(names), self.engine)
-        prefetch_units, prefetch_bytes = policy.prefetch_window()
-        self.scheduler = Scheduler(self.units, self.mover, self.budget, prefetch_units,
-                                   prefetch_bytes, self.stats, policy.adapt)
-        self.grads = None
-        if policy.pages_grads:  # to NVMe, or to pinned RAM with CUDA compute
-            swap = self.swap
-            home = ((lambda n: NvmeHome(swap, n)) if policy.grads == "nvme" else
-                    (lambda n: RamHome(n, True, self.stats)))
-            self.grads = GradPager(self.units, home, self.mover, self.stats)
-        # With several ranks, DDP reduces the gradients in a callback at the end of backward:
-        # they are paged once backward is over, after it (see _end_backward).
-        self._defer_grads = self.grads is not None and world_size() > 1
-        self._move_home()
-
-    def _check_ram_homes(self, policy: BasePolicy) -> None:
-        """With CUDA compute, ``cpu_budget`` bounds the pinned RAM homes: all the parameters
-        (params="cpu") and all the trainable ones' gradients (grads="cpu")."""
-        held, what, fix = 0, [], []
-        if policy.params == "cpu":
-            held += sum(u.nbytes for u in self.units)
-            what.append('params="cpu" keeps all parameters')
-            fix.append('params="nvme"')
-        if policy.pages_grads and policy.grads == "cpu":
-            held += sum(p.numel() * p.element_size() for u in self.units for p in u.params
-                        if p.requires_grad)
-            what.append('grads="cpu" keeps all gradients')
-            fix.append('grads="gpu"')
-        if held > policy.cpu_budget:
-            raise MemoryError(
-                f"{' and '.join(what)} in pinned RAM: {held} bytes ({format_bytes(held)}), over "
-                f"cpu_budget={policy.cpu_budget}; use {' or '.join(fix)}, or raise cpu_budget")
-
-    def _setup_activations(self, model: nn.Module, io_delay: Callable[[], None] | None) -> None:
-        """Saved-tensor hooks around the model's forward page what it saves for backward."""
-        policy = self.policy
-        swap = self.swap
-        if policy.activations == "nvme" and swap is None:
-            if self.engine is None:
-                self.engine = policy.io.engine()
-            names = [n for u in self.units for n in u.names]
-            swap = self.swap = SwapSpace(policy.nvme_dir, 0, "act-" + stable_tag(names),
-                                         self.engine)
-        if self.device.type == "cpu":
-            memory.return_freed_memory()
-        params = [p for u in self.units for p in u.params]
-        self.activations = ActivationPager(
-            policy.activations, self.device, policy.activation_threshold,
-            policy.prefetch_window(), swap if policy.activations == "nvme" else None,
-            lambda: params, io_delay, checksum=policy.checksum, ledger=self.stats)
-        pager = self.activations
-        self._handles.append(model.register_forward_pre_hook(
-            lambda m, a: pager.begin(), prepend=True))
-        self._handles.append(model.register_forward_hook(
-            lambda m, a, o: pager.end(), always_call=True))
-
-    def _move_home(self) -> None:
-        """Gives each unit its home and writes its current values there, one unit at a time."""
-        pin = self.device.type == "cuda"
-        for u in self.units:
-            meta = any(id(p) in self._uninitialized for p in u.params)
-            for s in u.segments:
-                p = s.param
-                if meta:
-                    continue
-                if p.device != self.device or p.untyped_storage().nbytes() != s.end - s.start \
-                        or not p.is_contiguous():
-                    # Each parameter needs a storage of its own to be freed and refilled alone.
-                    p.data = p.data.to(self.device, copy=True).contiguous()
-            u.home = (NvmeHome(self.swap, u.nbytes) if self.swap else
-                      RamHome(u.nbytes, pin, self.stats))
-            if self.swap is not None and self.device.type == "cpu":
-                u.adopt_flat(self.swap.align)
-            if u.on_rebind is not None:
-                u.on_rebind()
-            if meta:
-                u.initialized = False
-            else:
-                self.scheduler.flush(u)
-            u.free()
-            u.move_to(State.AWAY)
-        if self.device.type == "cpu":
-            # Parameters built while glibc's mmap threshold had grown lie inside its heap;
-            # freed there, their pages stay in RAM until the heap is trimmed.
-            memory.trim_heap()
-
-    @contextlib.contextmanager
-    def resident(self, units: list[Unit], writeback: bool = False) -> Iterator[None]:
-        """Keeps ``units`` resident (over budget if need be) inside the block."""
-        if self.mover is None:  # nothing is offloaded
-            yield
-            return
-        self.settle(units)
-        self.scheduler.acquire(units, force=True, record=False)
-        try:
-            yield
-        finally:
-            if writeback:
-                for u in units:
-                    self.scheduler.flush(u)
-            self.scheduler.release(units)
-            self.scheduler.trim()
+    def settle(self, units: list[Any] | None = None) -> None:
+        """Applies the paged optimizers' deferred updates of ``units`` (all: None)."""
+        settle(self.optimizers, units)
 
     @contextlib.contextmanager
     def loading(self, optimizer: Any = None) -> Iterator[None]:
@@ -349,32 +261,10 @@ class OffloadState(UnitBuilder, PassHooks, StepHooks, StateDictHooks, Guards):
         for undo in self._undo:
             undo()
         self._undo.clear()
-        if self.grads is not None:
-            attempt(self.grads.close)
-        if self.scheduler is not None:
-            attempt(self.scheduler.drain)
-        if self.mover is not None:
-            attempt(self.mover.close)
-            self.mover = None
-        if self.scheduler is not None:
-            self.scheduler.pool.clear()
-        if self.activations is not None:
-            attempt(self.activations.close)
-            self.activations = None
-        for u in self.units:
-            if u.home is not None:
-                u.home.release()
-                u.home = None
-        if self.swap is not None:
-            attempt(self.swap.close)
-            self.swap = None
-        if self.engine is not None:
-            attempt(self.engine.close)
-            self.engine = None
-        live.discard(self)
+        self.tiers.close(self.units, attempt)
+        registry.forget(self)
         if failed:
             raise failed[0]
-
 
 
 def offload(model: nn.Module, policy: BasePolicy | None = None, *,
@@ -390,31 +280,13 @@ def offload(model: nn.Module, policy: BasePolicy | None = None, *,
                 "Policy(params='nvme', nvme_dir=...) (params is one of 'gpu', 'cpu', 'nvme')")
         raise TypeError(f"tieroffload.offload: policy must be a tieroffload.Policy, not "
                         f"{policy!r}: use tieroffload.offload(model, {hint})")
-    if getattr(model, "_tieroffload", None) is not None:
-        raise ValueError("model is already offloaded; tieroffload.close(model) first")
-    _check_not_offloaded_elsewhere(model)
+    registry.check_free(model)
     check_not_dispatched(model)
-    state = OffloadState(model, policy or BasePolicy(), _io_delay)
-    model._tieroffload = state
+    registry.attach(model, OffloadState(model, policy or BasePolicy(), _io_delay))
     return model
 
 
-def _check_not_offloaded_elsewhere(model: nn.Module) -> None:
-    """Refuses a model one of whose parameters an open ``offload`` of another module (one
-    that contains it, or that it contains) already pages."""
-    for name, p in model.named_parameters():
-        if any(id(p) in s.param_unit for s in list(live)):
-            raise ValueError(
-                f"tieroffload.offload: parameter {name!r} is already offloaded with another "
-                "module (one that contains this one, or one inside it): offload the whole "
-                "model once, or tieroffload.close() that module first")
-
-
-def _state(model: nn.Module) -> OffloadState:
-    state = getattr(model, "_tieroffload", None)
-    if state is None:
-        raise ValueError("model is not offloaded (call tieroffload.offload(model, policy))")
-    return state
+_state = registry.state_of  # the name the paged optimizer and tests import
 
 
 def stats(model: nn.Module, window: bool = False, reset: bool = False) -> dict[str, Any]:
@@ -469,10 +341,10 @@ def close(model: nn.Module, restore: bool = True) -> None:
     try:
         state.close(restore)
     finally:  # closed even where it raised (see OffloadState.close)
-        model._tieroffload = None
+        registry.detach(model)
 
 
 @atexit.register
 def _close_all() -> None:
-    for s in list(live):
+    for s in registry.states():
         s.close(restore=False)

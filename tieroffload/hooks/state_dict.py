@@ -4,21 +4,51 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
+from ..compat import fsdp2
 from ..core.units import Unit
+from .build import Layout
+from .contract import PagedOptimizer, settle
+from .guards import Guards, mark_written, refuse_deepcopy, refuse_pickle
+
+if TYPE_CHECKING:
+    from .tiers import Tiers
 
 
-class StateDictHooks:
-    """The part of ``OffloadState`` that serves ``state_dict`` and ``load_state_dict``."""
+class StateDicts:
+    """Serves ``state_dict`` (copies of the true values, a tie handed out once) and
+    ``load_state_dict`` (units resident for the load, written home after) of an offloaded
+    model's modules. Holds the last state-dict copy of each parameter."""
 
-    def local(self, p: torch.Tensor) -> torch.Tensor:
-        """What an optimizer steps for parameter ``p``: its local shard for an FSDP DTensor
-        parameter, else ``p`` itself."""
-        return self._local.get(id(p), p)
+    __deepcopy__ = refuse_deepcopy
+    __reduce_ex__ = refuse_pickle
+
+    def __init__(self, layout: Layout, tiers: Tiers, guards: Guards,
+                 optimizers: weakref.WeakSet[PagedOptimizer]) -> None:
+        self.layout = layout
+        self.tiers = tiers
+        self.guards = guards
+        self.optimizers = optimizers
+        self._copies: dict[int, tuple[str, Any]] = {}  # id(p) -> its last state-dict copy
+
+    def install(self, model: nn.Module, handles: list[Any]) -> None:
+        """Hooks on the state dicts of the modules that own units, and of those that hold
+        FSDP's DTensors."""
+        param_unit = self.layout.param_unit
+        owners = {fsdp2.owner(fp) for g, _ in self.layout.fsdp_units for fp in g.fsdp_params}
+        targets = list(self.layout.module_units.items()) + [
+            (module, list(dict.fromkeys(param_unit[id(p)] for p in module._parameters.values()
+                                        if p is not None and id(p) in param_unit)))
+            for module in owners]
+        for module, units in targets:
+            handles.append(module.register_state_dict_pre_hook(self.guards.quiet_begin))
+            handles.append(module.register_state_dict_post_hook(self._state_dict_post()))
+            handles.append(module.register_load_state_dict_pre_hook(self._load_pre(units)))
+            handles.append(module.register_load_state_dict_post_hook(self._load_post(units)))
 
     def _tied_copy(self, sd: dict, p: torch.Tensor) -> torch.Tensor | None:
         """The copy of ``p`` already in ``sd`` under another name (a tied parameter): handed
@@ -34,34 +64,34 @@ class StateDictHooks:
             todo: dict[Unit, list[tuple[str, nn.Parameter]]] = {}
             for name, p in module._parameters.items():
                 key = prefix + name
-                u = self.param_unit.get(id(p)) if p is not None else None
+                u = self.layout.param_unit.get(id(p)) if p is not None else None
                 if u is not None and key in sd and not isinstance(sd[key], nn.Parameter):
                     todo.setdefault(u, []).append((key, p))
             for u, entries in todo.items():
-                with self.resident([u]):
+                with self.tiers.resident([u]):
                     for key, p in entries:
                         t = self._tied_copy(sd, p)
                         sd[key] = p.detach().clone() if t is None else t
                         self._copies[id(p)] = (key, weakref.ref(sd[key]))
-            self._quiet = max(self._quiet - 1, 0)  # see Guards._quiet_begin
+            self.guards.quiet_end()
         return hook
 
     def _load_pre(self, units: list[Unit]) -> Callable:
         def hook(module: nn.Module, *args: Any) -> None:
             for u in units:
-                self.before_write(u)
-            self.settle(units)
-            self.scheduler.acquire(units, force=True, record=False)
+                self.guards.before_write(u)
+            settle(self.optimizers, units)
+            self.tiers.scheduler.acquire(units, force=True, record=False)
         return hook
 
     def _load_post(self, units: list[Unit]) -> Callable:
         def hook(module: nn.Module, incompatible: Any) -> None:
             missing = set(incompatible.missing_keys)
             for u in units:
-                self.mark_loaded([p for n, p in zip(u.names, u.params) if n not in missing])
-                self.wrote(u)
-                self.scheduler.flush(u)
-            self.scheduler.release(units)
-            self.scheduler.trim()
+                self.layout.mark_loaded([p for n, p in zip(u.names, u.params)
+                                         if n not in missing])
+                mark_written(u)
+                self.tiers.scheduler.flush(u)
+            self.tiers.scheduler.release(units)
+            self.tiers.scheduler.trim()
         return hook
-

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -19,60 +18,76 @@ from torch.optim.optimizer import (
 
 from ..compat.tensors import Norms, add_grad_norms, clip_coefficient, total_norm
 from ..core.units import Unit
+from ..integrations import accelerate
 from ..utils.sizes import format_bytes
+from . import patches
+from .build import Layout
+from .guards import mark_written
+from .registry import states
 
 if TYPE_CHECKING:
-    from .state import OffloadState
+    from .tiers import Tiers
 
 log = logging.getLogger("tieroffload")
 
-live: weakref.WeakSet[OffloadState] = weakref.WeakSet()  # every open OffloadState
 _warned_step = False
 
 
-class StepHooks:
-    """The part of ``OffloadState`` that pins units around a plain optimizer's step."""
+class PlainSteps:
+    """Pins the units a plain (not paged) optimizer updates around its ``step`` (brought in,
+    with their paged gradients, and written home after), and makes ``zero_grad`` of the
+    model's modules forget the paged gradients too."""
 
-    def _forget_grads_on_zero_grad(self, model: nn.Module) -> None:
-        """``zero_grad`` of a plain optimizer or of the model's modules forgets the stored
-        gradients too, with gradients paged to NVMe (a skipped batch: backward, then zero_grad
-        without a step), as it forgets ``p.grad`` of a plain model; and a paged optimizer
-        learns of it (``PagedOptimizer.check_zeroed``)."""
-        torch.optim.Optimizer.zero_grad = _zero_grad  # once for all: it calls torch's
+    def __init__(self, layout: Layout, tiers: Tiers) -> None:
+        self.layout = layout
+        self.tiers = tiers
+        self._opt_pins: dict[int, tuple[list[Unit], bool]] = {}  # optimizer -> units, grads
+
+    @staticmethod
+    def install(model: nn.Module, undo: list[Callable[[], None]]) -> None:
+        """``zero_grad`` of the model's modules forgets the stored gradients too, with
+        gradients paged to NVMe (a skipped batch: backward, then zero_grad without a step), as
+        it forgets ``p.grad`` of a plain model; and a paged optimizer learns of it
+        (``PagedOptimizer.check_zeroed``). A plain optimizer's ``zero_grad`` does the same
+        (``_zero_grad``, a patch in place while a model is offloaded)."""
         for m in model.modules():
             m.zero_grad = _module_zero_grad(m, m.zero_grad)
-            self._undo.append(lambda m=m: m.__dict__.pop("zero_grad", None))
+            undo.append(lambda m=m: m.__dict__.pop("zero_grad", None))
 
-    def step_begin(self, optimizer: torch.optim.Optimizer) -> None:
+    def begin(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before a plain optimizer's step: its units (and paged gradients) come in."""
         global _warned_step
-        if self.mover is None:  # nothing is offloaded
+        tiers, param_unit = self.tiers, self.layout.param_unit
+        if tiers.mover is None:  # nothing is offloaded
             return
         stale = self._opt_pins.pop(id(optimizer), None)
         if stale is not None:  # its last step raised (lr=None): torch ran no post hook
-            self.scheduler.release(stale[0])
-        units = {self.param_unit[id(p)].id: self.param_unit[id(p)]
-                 for g in optimizer.param_groups for p in g["params"] if id(p) in self.param_unit}
+            tiers.scheduler.release(stale[0])
+        units = {param_unit[id(p)].id: param_unit[id(p)]
+                 for g in optimizer.param_groups for p in g["params"] if id(p) in param_unit}
         if not units:
             return
         units = list(units.values())
         total = sum(u.nbytes for u in units)
-        if total > self.budget and not _warned_step and not getattr(
+        budget = self.layout.budget
+        if total > budget and not _warned_step and not getattr(
                 optimizer, "_tieroffload_inner", False):
             _warned_step = True
             log.warning("%s.step() over offloaded parameters brings all %s of them in at once, "
                         "over the budget of %s; the paged optimizer (tieroffload.optimizer) "
                         "steps in chunks instead", type(optimizer).__name__, format_bytes(total),
-                        format_bytes(self.budget))
-        self.scheduler.acquire(units, force=True, record=False)
+                        format_bytes(budget))
+        tiers.scheduler.acquire(units, force=True, record=False)
         # A plain optimizer sees gradients paged to NVMe only if they come in for its step (a
         # paged optimizer's chunks get theirs from it).
-        grads = self.grads is not None and not getattr(optimizer, "_tieroffload_inner", False)
+        grads = tiers.grads is not None and not getattr(optimizer, "_tieroffload_inner", False)
         if grads:
-            self.grads.store_set_by_hand(units)
-            self.grads.bring_in(units)
+            tiers.grads.store_set_by_hand(units)
+            tiers.grads.bring_in(units)
         self._opt_pins[id(optimizer)] = (units, grads)
 
-    def step_end(self, optimizer: torch.optim.Optimizer) -> None:
+    def end(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a plain optimizer's step: the units it stepped are written home."""
         units, grads = self._opt_pins.pop(id(optimizer), ([], False))
         if not units:
             return
@@ -82,21 +97,28 @@ class StepHooks:
                    if p.grad is not None}
         for u in units:
             if any(id(p) in stepped for p in u.params):
-                self.wrote(u)
+                mark_written(u)
         if grads:  # used up, as the paged optimizer's step uses them up
-            self.grads.consume(units)
-        self.scheduler.release(units)
-        self.scheduler.trim()
+            self.tiers.grads.consume(units)
+        self.tiers.scheduler.release(units)
+        self.tiers.scheduler.trim()
 
 
-_torch_zero_grad = torch.optim.Optimizer.zero_grad
+def _install_zero_grad() -> Callable[[], None]:
+    """``Optimizer.zero_grad`` (of every plain optimizer) forgets the paged gradients too."""
+    torch_zero_grad = torch.optim.Optimizer.__dict__["zero_grad"]
 
+    @functools.wraps(torch_zero_grad)
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        torch_zero_grad(self, set_to_none)
+        if not getattr(self, "_tieroffload_inner", False):  # a paged optimizer's chunk
+            drop_stored_grads(p for g in self.param_groups for p in g["params"])
 
-@functools.wraps(_torch_zero_grad)
-def _zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-    _torch_zero_grad(self, set_to_none)
-    if not getattr(self, "_tieroffload_inner", False):  # a paged optimizer's chunk
-        drop_stored_grads(p for g in self.param_groups for p in g["params"])
+    torch.optim.Optimizer.zero_grad = zero_grad
+
+    def undo() -> None:
+        torch.optim.Optimizer.zero_grad = torch_zero_grad
+    return undo
 
 
 def _module_zero_grad(module: nn.Module, orig: Callable[..., None]) -> Callable[..., None]:
@@ -111,7 +133,7 @@ def drop_stored_grads(params: Iterable[torch.Tensor]) -> None:
     ``p.grad`` does not show: a plain optimizer's ``zero_grad`` cannot reach them (a paged
     optimizer's does)."""
     ids = {id(p) for p in params}
-    for s in list(live):
+    for s in states():
         for opt in list(s.optimizers):
             opt.grads_zeroed(ids)
         if s.grads is not None:
@@ -122,14 +144,14 @@ def drop_stored_grads(params: Iterable[torch.Tensor]) -> None:
 
 
 def _paged(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    paging = [s for s in list(live) if s.grads is not None]
+    paging = [s for s in states() if s.grads is not None]
     return [p for p in params if any(id(p) in s.param_unit for s in paging)]
 
 
 def grads_used_in_backward(params: list[torch.Tensor]) -> bool:
     """True when a paged optimizer with ``overlap="backward"`` has stepped some of ``params``
     in the backward just run: p.grad is None, and a clip would see no gradient."""
-    return any(o.used_grads_of(params) for s in list(live) for o in list(s.optimizers))
+    return any(o.used_grads_of(params) for s in states() for o in list(s.optimizers))
 
 
 def has_paged_grads(params: list[torch.Tensor]) -> bool:
@@ -144,13 +166,13 @@ def clip_paged(params: list[torch.Tensor], max_norm: float, norm_type: float = 2
     gradients come in for their norms and go back; the coefficient waits in the pager and
     multiplies them when the step brings them in. The total is torch's, bit for bit."""
     paged = _paged(params)
-    opt = next((o for s in list(live) if s.grads is not None for o in list(s.optimizers)
+    opt = next((o for s in states() if s.grads is not None for o in list(s.optimizers)
                 if o.owns(paged)), None)
     if opt is not None:
         return opt.clip_params(params, max_norm, norm_type, error_if_nonfinite)
     wanted = {id(p) for p in params}
     stored = [(s.grads, [u], [p for p in u.params if id(p) in wanted])
-              for s in list(live) if s.grads is not None for u in s.units]
+              for s in states() if s.grads is not None for u in s.units]
     stored = [g for g in stored if g[2]]
     with torch.no_grad():
         total, coef, _ = clip_norm(params, max_norm, norm_type, error_if_nonfinite, stored)
@@ -213,18 +235,32 @@ def _step_pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             "(grads=\"nvme\", or grads=\"cpu\" with CUDA): the closure's backward pages them "
             "away before the step could use them; keep them on the compute device for a "
             "closure (grads=\"cpu\" on the CPU, grads=\"gpu\" with CUDA)")
-    for s in list(live):
-        s.step_begin(optimizer)
+    for s in states():
+        s.steps.begin(optimizer)
 
 
 def _step_post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if getattr(optimizer, "_tieroffload_paged", False):
         return
-    for s in list(live):
-        s.step_end(optimizer)
+    for s in states():
+        s.steps.end(optimizer)
 
 
-register_optimizer_step_pre_hook(_step_pre)
-register_optimizer_step_post_hook(_step_post)
+def _install_step_hooks() -> Callable[[], None]:
+    """torch's process-wide hooks around every optimizer's step: a plain optimizer's units
+    come in for it (``PlainSteps``)."""
+    handles = [register_optimizer_step_pre_hook(_step_pre),
+               register_optimizer_step_post_hook(_step_post)]
+
+    def undo() -> None:
+        for h in handles:
+            h.remove()
+    return undo
 
 
+patches.register("Optimizer.zero_grad", _install_zero_grad)
+patches.register("optimizer step hooks", _install_step_hooks)
+# Accelerator.clip_grad_norm_ (the HF Trainer's clip) reaches paged gradients: held by the
+# models whose gradients are paged.
+accelerate_clip = patches.Patch("Accelerator.clip_grad_norm_",
+                                lambda: accelerate.route_clip(has_paged_grads, clip_paged))

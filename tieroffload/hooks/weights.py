@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..compat.tensors import version
-from .state import OffloadState, _state
+from . import registry
+from .state import OffloadState
 
 Source = str | os.PathLike | dict[str, torch.Tensor] | Sequence[str | os.PathLike]
 
@@ -154,7 +155,7 @@ def load_weights(model: nn.Module, source: Source, strict: bool = True) -> None:
     model's ``_init_weights``: rotary frequencies, position ids). Only regular files are read,
     and from a folder or an index only files in that folder, never through a symlink."""
     source = _checked_source(source)
-    s = _state(model)
+    s = registry.state_of(model)
     shards, folder_fd = ([], None) if isinstance(source, dict) else shard_files(source)
     try:
         _load(model, s, source, shards, strict)

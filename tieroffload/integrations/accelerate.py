@@ -13,16 +13,16 @@ import torch
 Clip = Callable[[list[torch.Tensor], float, float], torch.Tensor]
 
 
-def route_clip(takes: Callable[[list[torch.Tensor]], bool], clip: Clip) -> None:
-    """Wraps ``Accelerator.clip_grad_norm_`` (once; nothing if accelerate is not installed):
-    parameters that ``takes`` are clipped by ``clip(params, max_norm, norm_type)``."""
+def route_clip(takes: Callable[[list[torch.Tensor]], bool],
+               clip: Clip) -> Callable[[], None]:
+    """Wraps ``Accelerator.clip_grad_norm_`` (nothing if accelerate is not installed):
+    parameters that ``takes`` are clipped by ``clip(params, max_norm, norm_type)``. Returns
+    what puts accelerate's own back."""
     if importlib.util.find_spec("accelerate") is None:
-        return
+        return lambda: None
     from accelerate import Accelerator
 
-    orig = Accelerator.clip_grad_norm_
-    if getattr(orig, "_tieroffload", False):
-        return
+    orig = Accelerator.__dict__["clip_grad_norm_"]
 
     @functools.wraps(orig)
     def clip_grad_norm_(self: Any, parameters: Iterable[torch.Tensor], max_norm: float,
@@ -33,5 +33,8 @@ def route_clip(takes: Callable[[list[torch.Tensor]], bool], clip: Clip) -> None:
         self.unscale_gradients()
         return clip(params, max_norm, norm_type)
 
-    clip_grad_norm_._tieroffload = True
     Accelerator.clip_grad_norm_ = clip_grad_norm_
+
+    def undo() -> None:
+        Accelerator.clip_grad_norm_ = orig
+    return undo

@@ -13,6 +13,7 @@ from torch import nn
 from ..compat.autograd import at_backward_end, graph_task, in_backward
 from ..compat.pytree import tree_flatten
 from ..core import timeline
+from ..hooks import registry
 from ..hooks.state import stats
 from .record import PHASES, disk_figures, make_record
 from .trace import StepTracer
@@ -39,7 +40,7 @@ class Monitor:
                  trace_dir: str | os.PathLike = ".", disk: Any = None,
                  start_step: int = 0) -> None:
         self.model = model
-        state = getattr(model, "_tieroffload", None)
+        state = registry.find(model)
         if state is None:
             raise ValueError("Monitor: the model is not offloaded; call "
                              "tieroffload.offload(model, policy) before Monitor(model)")
@@ -144,7 +145,7 @@ class Monitor:
         defaults to the watched optimizer's first group's, ``loss_scale`` to a paged
         optimizer's dynamic scale."""
         now = time.perf_counter()
-        if getattr(self.model, "_tieroffload", None) is None:
+        if registry.find(self.model) is None:
             raise RuntimeError("Monitor.step: the model was closed (tieroffload.close); "
                                "monitor.close() too, or offload it again with a new Monitor")
         opt = self.optimizer

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ..hooks import patches
 from ..hooks.steps import clip_paged, grads_used_in_backward, has_paged_grads
 
 _torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
@@ -70,11 +71,29 @@ def clip_grads_with_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max
     return _torch_clip_grads_with_norm_(params, max_norm, total_norm, foreach)
 
 
+_ABSENT = object()
+_REPLACED = {"clip_grad_norm_": clip_grad_norm_, "clip_grad_value_": clip_grad_value_,
+             "clip_grads_with_norm_": clip_grads_with_norm_}
+
+
+def _put_in_place() -> patches.Undo:
+    """Puts these in place of torch's (by module attribute, as callers find them); returns
+    what puts torch's back, the very objects replaced."""
+    modules = (torch.nn.utils, torch.nn.utils.clip_grad)
+    before = [(m, name, m.__dict__.get(name, _ABSENT)) for m in modules for name in _REPLACED]
+    for m, name, _ in before:
+        setattr(m, name, _REPLACED[name])
+
+    def undo() -> None:
+        for m, name, orig in before:
+            if orig is _ABSENT:  # torch defines it in one of the two modules only
+                delattr(m, name)
+            else:
+                setattr(m, name, orig)
+    return undo
+
+
 def install() -> None:
-    """Puts these in place of torch's (by module attribute, as callers find them)."""
-    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
-    torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
-    torch.nn.utils.clip_grad_value_ = clip_grad_value_
-    torch.nn.utils.clip_grad.clip_grad_value_ = clip_grad_value_
-    torch.nn.utils.clip_grads_with_norm_ = clip_grads_with_norm_
-    torch.nn.utils.clip_grad.clip_grads_with_norm_ = clip_grads_with_norm_
+    """Registers these with ``hooks.patches``: they replace torch's while a model is
+    offloaded (from the first ``offload`` to the last ``close``), not on import."""
+    patches.register("torch.nn.utils clip functions", _put_in_place)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..compat.pytree import tree_flatten, tree_map
+from ..hooks import registry
 from ..hooks.steps import drop_stored_grads
 from ..utils import memory
 from ..utils.sizes import format_bytes, parse_bytes
@@ -72,8 +73,9 @@ class AutoBatch:
         self._samples: dict[int, int] = {}  # micro-batch -> peak bytes above the step's start
         if self.device.type == "cpu":
             memory.return_freed_memory()  # else RSS, and the budget's view of it, only grows
-        if model is not None and getattr(model, "_tieroffload", None) is not None:
-            model._tieroffload.autobatch = self
+        state = registry.find(model) if model is not None else None
+        if state is not None:
+            state.autobatch = self
 
     @property
     def accumulation(self) -> int:
