@@ -20,9 +20,12 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
-from ..compat.tensors import plain_tensors
+from ..compat.tensors import NO_DATA_FUNCTIONS, plain_tensors
 from ..core.units import Unit
+from .adapters import check_assignment
+from .devices import guarded_apply
 from .steps import live
+from .views import ViewLedger
 
 if TYPE_CHECKING:
     from .state import OffloadState
@@ -59,7 +62,7 @@ _NO_DATA = _no_data(
      "is_contiguous", "is_floating_point", "is_complex", "untyped_storage", "data_ptr",
      "register_hook", "register_post_accumulate_grad_hook", "requires_grad_", "__len__"],
     ["grad", "requires_grad", "shape", "dtype", "device", "is_leaf", "grad_fn", "layout",
-     "ndim", "is_cuda", "is_meta", "_version"]) | {torch.Tensor.data.__set__}
+     "ndim", "is_cuda", "is_meta", "_version"]) | {torch.Tensor.data.__set__} | NO_DATA_FUNCTIONS
 
 _COMPILE_ERROR = ('torch.compile of a model offloaded with params="nvme" is not supported: its '
                   "parameters page in and out under hooks a compiled graph cannot follow; run "
@@ -108,6 +111,8 @@ class OffloadedParameter(nn.Parameter):
             with plain_tensors():
                 return func(*args, **kwargs)
         entries = _owners((*args, *kwargs.values()))
+        for state in dict.fromkeys(s for s, _ in entries if s._touched):
+            state.let_go_views([u for s, u in entries if s is state])
         name = getattr(func, "__name__", "")
         wrote = (name.endswith("_") and not name.endswith("__") or name == "__setitem__"
                  or "out" in kwargs)
@@ -170,6 +175,7 @@ class Guards:
 
     def _install_guards(self, model: nn.Module) -> None:
         self._module_ids = {id(m) for m in model.modules()}
+        self._views = ViewLedger()
         for m in model.modules():
             m._apply = self._guard_apply(m, m._apply)
             self._undo.append(lambda m=m: m.__dict__.pop("_apply", None))
@@ -184,6 +190,7 @@ class Guards:
         """Brings ``u`` in for an operation outside the hooks (see ``untouch``)."""
         if self._quiet:  # state_dict(): its hooks hand out the true values
             return
+        self._views.before(u, self._touched)
         self.check_loaded([u])
         self.settle([u])
         self.scheduler.acquire([u], force=True, record=False)
@@ -224,6 +231,13 @@ class Guards:
         u.dirty = True
         u.writes += 1
 
+    def let_go_views(self, keep: list[Unit]) -> None:
+        """Releases the units held for views that are all gone now (see ``hooks.views``)."""
+        def release(units: list[Unit]) -> None:
+            self.scheduler.release(units)
+            self.scheduler.trim()
+        self._touched = self._views.let_go(self._touched, keep, release)
+
     def viewed(self) -> list[Unit]:
         """The units that views taken outside the hooks hold (see ``untouch``)."""
         return list(self._touched)
@@ -231,6 +245,7 @@ class Guards:
     def release_touched(self) -> None:
         """Lets the units that views taken outside the hooks hold go (see ``untouch``)."""
         units, self._touched = self._touched, []
+        self._views.clear()
         self._quiet = 0  # a state_dict() that raised
         self.scheduler.release(units)
         self.scheduler.trim()
@@ -239,18 +254,7 @@ class Guards:
         self._quiet += 1  # until the module's state-dict post hook
 
     def _guard_apply(self, module: nn.Module, orig: Callable) -> Callable:
-        probes = {(p.dtype, p.device) for p in module.parameters()}
-
-        def _apply(fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-            for dtype, device in probes:
-                t = fn(torch.empty(0, dtype=dtype, device=device))
-                if t.dtype != dtype or t.device != device:
-                    raise ValueError(
-                        f"tieroffload: converting an offloaded model ({dtype} on {device} -> "
-                        f"{t.dtype} on {t.device}, model.to/half/float) would leave its pages "
-                        "behind; convert before tieroffload.offload, or close(model) first")
-            return orig(fn, *args, **kwargs)
-        return _apply
+        return guarded_apply(module, orig, lambda t: id(t) in _owner_of)
 
     def __deepcopy__(self, memo: dict) -> None:
         raise TypeError(_COPY_ERROR)
@@ -286,11 +290,9 @@ def _owner(module: nn.Module) -> OffloadState | None:
 
 def _module_registered(module: nn.Module, name: str, sub: nn.Module | None) -> None:
     s = _owner(module)
-    if s is not None and sub is not None and id(sub) not in s._module_ids:
-        raise ValueError(
-            f"tieroffload: module {name!r} assigned into an offloaded model (resize_token_"
-            "embeddings, a replaced layer): change modules before tieroffload.offload, or "
-            "close(model) first")
+    if s is not None and sub is not None:
+        check_assignment(s.param_unit, s._module_ids, module, name, sub)
+        s.let_go_views([])
 
 
 def _param_registered(module: nn.Module, name: str, p: nn.Parameter | None) -> None:
