@@ -25,7 +25,7 @@ LAYERS = [
     {"checkpoint"},
     {"planner"},
     {"policy"},
-    {"monitor"},
+    {"monitor", "hf"},
     {"__init__"},
     {"cli", "__main__"},
 ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..compat.tensors import plain_tensors, storage_users
+from ..compat.tensors import plain_tensors, storage_key, storage_users
 from ..core.units import State, Unit
 
 
@@ -15,7 +15,7 @@ def users(u: Unit) -> int:
     """References to the storages of ``u``'s parameters (each parameter, its unit's flat
     buffer, and every view of them)."""
     with plain_tensors():
-        storages = {s._cdata: s for s in (p.untyped_storage() for p in u.params)}
+        storages = {storage_key(s): s for s in (p.untyped_storage() for p in u.params)}
         return sum(storage_users(s) for s in storages.values())
 
 
