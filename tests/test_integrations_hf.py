@@ -8,7 +8,6 @@ smaller than the model, with the peak resident bytes under the budget throughout
 import copy
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -212,11 +211,11 @@ def test_trainer_equals_the_plain_trainer_bit_for_bit(tmp_path):
 
 
 _RESUME = """
-import json, sys, torch
+import json, pathlib, sys, torch
 sys.path.insert(0, {here!r})
 import test_integrations_hf as t
 import tieroffload
-model = t.offloaded(t.llama(5), t.pathlib.Path({tmp!r}))  # other values: all from the save
+model = t.offloaded(t.llama(5), pathlib.Path({tmp!r}))  # other values: all from the save
 tr = t.trainer(model, t.trainer_args({out!r}), offload=True)
 tr.train(resume_from_checkpoint={ckpt!r})
 json.dump({{"losses": [x.item() for x in tr.losses], "logged": t.logged(tr),
@@ -374,4 +373,25 @@ def test_replacing_an_offloaded_layer_without_wrapping_it_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"'extra'.*brings 1 parameter.*wrap the layer"):
         attn.extra = nn.Linear(2, 2, bias=False)
     attn.act = nn.Identity()  # brings nothing, drops nothing
+    tieroffload.close(model)
+
+
+def test_trainer_with_lora_on_an_offloaded_base_equals_plain(tmp_path):
+    """The adapters train under the Trainer with its own (plain) AdamW, which
+    trainer_optimizer returns for them; the base is never written back."""
+    ref = llama()
+    model = offloaded(ref, tmp_path)
+    pm_ref, pm = lora(ref), lora(model)
+    args = trainer_args(tmp_path / "o")
+    assert not getattr(tieroffload.hf.trainer_optimizer(pm, args), "_tieroffload_paged", False)
+    t_ref = trainer(pm_ref, trainer_args(tmp_path / "ref"), offload=False)
+    t_ref.train()
+    written = params_written(model)
+    t = trainer(pm, trainer_args(tmp_path / "off"), offload=True)
+    t.train()
+    assert params_written(model) == written, "the frozen base was written to NVMe"
+    assert within_budget(model)
+    for i, (a, b) in enumerate(zip(t_ref.losses, t.losses)):
+        assert torch.equal(a, b), f"micro-batch {i}"
+    assert logged(t) == logged(t_ref) and len(t.losses) == 8
     tieroffload.close(model)

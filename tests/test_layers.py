@@ -24,8 +24,8 @@ LAYERS = [
     {"optim"},
     {"checkpoint"},
     {"planner"},
-    {"policy"},
-    {"monitor", "hf"},
+    {"policy", "hf"},
+    {"monitor"},
     {"__init__"},
     {"cli", "__main__"},
 ]

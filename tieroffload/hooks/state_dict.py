@@ -47,7 +47,10 @@ class StateDictHooks:
         return hook
 
     def _load_pre(self, units: list[Unit]) -> Callable:
-        def hook(module: nn.Module, *args: Any) -> None:
+        def hook(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+            if not loads_own(module, state_dict, prefix):
+                return  # nothing of its own is loaded: nothing comes in or goes home
+            _loading.add(id(units))
             for u in units:
                 self.before_write(u)
             self.settle(units)
@@ -56,6 +59,9 @@ class StateDictHooks:
 
     def _load_post(self, units: list[Unit]) -> Callable:
         def hook(module: nn.Module, incompatible: Any) -> None:
+            if id(units) not in _loading:
+                return
+            _loading.discard(id(units))
             missing = set(incompatible.missing_keys)
             for u in units:
                 self.mark_loaded([p for n, p in zip(u.names, u.params) if n not in missing])
@@ -65,3 +71,12 @@ class StateDictHooks:
             self.scheduler.trim()
         return hook
 
+
+
+_loading: set[int] = set()  # id(units) of the modules whose own load is under way
+
+
+def loads_own(module: nn.Module, state_dict: dict, prefix: str) -> bool:
+    """``state_dict`` has a value for one of ``module``'s own parameters (a PEFT adapter's
+    load has none for the frozen base's layers, which are then not rewritten)."""
+    return any(prefix + n in state_dict for n, p in module._parameters.items() if p is not None)
