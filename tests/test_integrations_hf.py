@@ -278,6 +278,21 @@ def accelerate_run(model, opt, steps=4):
     return losses
 
 
+def test_accelerator_prepare_moves_nothing(tmp_path):
+    accelerate = pytest.importorskip("accelerate")
+    ref = llama()
+    model = offloaded(ref, tmp_path)
+    ids = tokens()
+    with torch.no_grad():
+        model(ids)
+    written = params_written(model)
+    assert accelerate.Accelerator(cpu=True).prepare(model) is model
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    assert within_budget(model) and params_written(model) == written
+    tieroffload.close(model)
+
+
 def test_accelerate_prepare_and_backward_equal_plain(tmp_path):
     ref = llama()
     model = offloaded(ref, tmp_path)

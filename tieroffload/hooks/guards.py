@@ -218,6 +218,7 @@ class Guards:
         if self.materialized:
             self.scheduler.acquire([u], force=True, record=False)
             self._touched.append(u)
+            self._views.forget(u)  # held until the next forward: views.py does not follow it
         self.wrote(u)
 
     def before_write(self, u: Unit) -> None:

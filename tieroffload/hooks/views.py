@@ -33,6 +33,10 @@ class ViewLedger:
         elif u not in held:
             self.base.pop(u.id, None)
 
+    def forget(self, u: Unit) -> None:
+        """``u`` is held some other way (inside ``materialize``): not let go here."""
+        self.base.pop(u.id, None)
+
     def gone(self, held: list[Unit]) -> list[Unit]:
         """The units of ``held`` (with repeats) whose views are all gone."""
         done = {u.id for u in dict.fromkeys(held)
