@@ -49,6 +49,7 @@ class StateDictHooks:
     def _load_pre(self, units: list[Unit]) -> Callable:
         def hook(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
             if not loads_own(module, state_dict, prefix):
+                _loading.discard(id(units))  # left by a load that raised
                 return  # nothing of its own is loaded: nothing comes in or goes home
             _loading.add(id(units))
             for u in units:
@@ -70,7 +71,6 @@ class StateDictHooks:
             self.scheduler.release(units)
             self.scheduler.trim()
         return hook
-
 
 
 _loading: set[int] = set()  # id(units) of the modules whose own load is under way
