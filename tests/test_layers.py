@@ -24,7 +24,7 @@ LAYERS = [
     {"optim"},
     {"checkpoint"},
     {"planner"},
-    {"policy"},
+    {"policy", "hf"},
     {"monitor"},
     {"dropin"},
     {"__init__"},

@@ -1,6 +1,6 @@
 """tieroffload: tiered memory offload (GPU, CPU RAM, NVMe) for PyTorch."""
 
-from . import aio
+from . import aio, hf
 from ._version import __version__
 from .aio.config import IOConfig
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -20,6 +20,7 @@ from .planner import AutoBatch
 from .policy import Policy
 
 __all__ = ["AutoBatch", "CheckpointError", "IOConfig", "Monitor", "Policy", "__version__", "aio",
+           "hf",
            "close",
            "drop_stored_grads", "from_pretrained", "initialize", "load_checkpoint", "load_weights",
            "materialize", "offload", "optimizer", "save_checkpoint", "stats"]

@@ -1,4 +1,4 @@
-"""Tensor and storage internals: a storage's identity, a tensor's version counter, the
+"""Tensor and storage internals: a storage's identity and users, a tensor's version counter, the
 per-tensor norms torch.nn.utils.clip_grad_norm_ takes, and switching a tensor subclass's
 ``__torch_function__`` off."""
 
@@ -16,6 +16,11 @@ def storage_key(storage: torch.UntypedStorage) -> int:
     return storage._cdata
 
 
+def storage_users(storage: torch.UntypedStorage) -> int:
+    """How many references the storage has (tensors viewing it, Python storage objects)."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
 def version(t: torch.Tensor) -> int:
     """The tensor's in-place version counter (autograd's check that saved tensors are unchanged)."""
     return t._version
@@ -25,6 +30,10 @@ def plain_tensors() -> contextlib.AbstractContextManager:
     """Inside, tensor subclasses dispatch as plain tensors (their ``__torch_function__`` is
     not called) and results are plain tensors."""
     return torch._C.DisableTorchFunctionSubclass()
+
+
+# Functions over tensors that read no values (``Module._apply`` asks this of every parameter).
+NO_DATA_FUNCTIONS = frozenset({torch._has_compatible_shallow_copy_type})
 
 
 def grad_norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:

@@ -21,11 +21,14 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
-from ..compat.tensors import plain_tensors
+from ..compat.tensors import NO_DATA_FUNCTIONS, plain_tensors
 from ..core.units import Unit
 from . import patches, registry
+from .adapters import check_assignment
 from .build import Layout
 from .contract import PagedOptimizer, settle
+from .devices import guarded_apply
+from .views import ViewLedger
 
 if TYPE_CHECKING:
     from .tiers import Tiers
@@ -62,7 +65,7 @@ _NO_DATA = _no_data(
      "is_contiguous", "is_floating_point", "is_complex", "untyped_storage", "data_ptr",
      "register_hook", "register_post_accumulate_grad_hook", "requires_grad_", "__len__"],
     ["grad", "requires_grad", "shape", "dtype", "device", "is_leaf", "grad_fn", "layout",
-     "ndim", "is_cuda", "is_meta", "_version"]) | {torch.Tensor.data.__set__}
+     "ndim", "is_cuda", "is_meta", "_version"]) | {torch.Tensor.data.__set__} | NO_DATA_FUNCTIONS
 
 _COMPILE_ERROR = ('torch.compile of a model offloaded with params="nvme" is not supported: its '
                   "parameters page in and out under hooks a compiled graph cannot follow; run "
@@ -130,6 +133,8 @@ class OffloadedParameter(nn.Parameter):
             with plain_tensors():
                 return func(*args, **kwargs)
         entries = _owners((*args, *kwargs.values()))
+        for state in dict.fromkeys(s for s, _ in entries if s._touched):
+            state.let_go_views([u for s, u in entries if s is state])
         name = getattr(func, "__name__", "")
         wrote = (name.endswith("_") and not name.endswith("__") or name == "__setitem__"
                  or "out" in kwargs)
@@ -204,6 +209,7 @@ class Guards:
         self._touched: list[Unit] = []  # held for views taken outside the hooks
         self._quiet = 0  # inside state_dict(), whose hooks hand out the true values
         self.materialized = 0  # depth of materialize() blocks open
+        self._views = ViewLedger()  # which of _touched only views hold (hooks.views)
 
     def install(self, model: nn.Module, undo: list[Callable[[], None]]) -> None:
         """Guards the model's parameters and its modules' ``_apply``; ``undo`` undoes it."""
@@ -222,6 +228,7 @@ class Guards:
         """Brings ``u`` in for an operation outside the hooks (see ``untouch``)."""
         if self._quiet:  # state_dict(): its hooks hand out the true values
             return
+        self._views.before(u, self._touched)
         self.layout.check_loaded([u])
         settle(self.optimizers, [u])
         self.tiers.scheduler.acquire([u], force=True, record=False)
@@ -249,12 +256,20 @@ class Guards:
         if self.materialized:
             self.tiers.scheduler.acquire([u], force=True, record=False)
             self._touched.append(u)
+            self._views.forget(u)  # held until the next forward: views.py does not follow it
         mark_written(u)
 
     def before_write(self, u: Unit) -> None:
         """Refuses a write the paged optimizers cannot follow (see ``check_write``)."""
         for opt in list(self.optimizers):
             opt.check_write(u)
+
+    def let_go_views(self, keep: list[Unit]) -> None:
+        """Releases the units held for views that are all gone now (see ``hooks.views``)."""
+        def release(units: list[Unit]) -> None:
+            self.tiers.scheduler.release(units)
+            self.tiers.scheduler.trim()
+        self._touched = self._views.let_go(self._touched, keep, release)
 
     def viewed(self) -> list[Unit]:
         """The units that views taken outside the hooks hold (see ``untouch``)."""
@@ -263,6 +278,7 @@ class Guards:
     def release_touched(self) -> None:
         """Lets the units that views taken outside the hooks hold go (see ``untouch``)."""
         units, self._touched = self._touched, []
+        self._views.clear()
         self._quiet = 0  # a state_dict() that raised
         self.tiers.scheduler.release(units)
         self.tiers.scheduler.trim()
@@ -276,18 +292,7 @@ class Guards:
         self._quiet = max(self._quiet - 1, 0)
 
     def _guard_apply(self, module: nn.Module, orig: Callable) -> Callable:
-        probes = {(p.dtype, p.device) for p in module.parameters()}
-
-        def _apply(fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-            for dtype, device in probes:
-                t = fn(torch.empty(0, dtype=dtype, device=device))
-                if t.dtype != dtype or t.device != device:
-                    raise ValueError(
-                        f"tieroffload: converting an offloaded model ({dtype} on {device} -> "
-                        f"{t.dtype} on {t.device}, model.to/half/float) would leave its pages "
-                        "behind; convert before tieroffload.offload, or close(model) first")
-            return orig(fn, *args, **kwargs)
-        return _apply
+        return guarded_apply(module, orig, lambda t: id(t) in _owner_of)
 
 
 def _unguard(p: torch.Tensor) -> None:
@@ -297,11 +302,9 @@ def _unguard(p: torch.Tensor) -> None:
 
 def _module_registered(module: nn.Module, name: str, sub: nn.Module | None) -> None:
     s = registry.state_of_module(module)
-    if s is not None and sub is not None and id(sub) not in s.guards.module_ids:
-        raise ValueError(
-            f"tieroffload: module {name!r} assigned into an offloaded model (resize_token_"
-            "embeddings, a replaced layer): change modules before tieroffload.offload, or "
-            "close(model) first")
+    if s is not None and sub is not None:
+        check_assignment(s.param_unit, s.guards.module_ids, module, name, sub)
+        s.guards.let_go_views([])
 
 
 def _param_registered(module: nn.Module, name: str, p: nn.Parameter | None) -> None:

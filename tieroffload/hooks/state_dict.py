@@ -34,6 +34,7 @@ class StateDicts:
         self.guards = guards
         self.optimizers = optimizers
         self._copies: dict[int, tuple[str, Any]] = {}  # id(p) -> its last state-dict copy
+        self._loading: set[int] = set()  # id(units) of the modules whose own load is under way
 
     def install(self, model: nn.Module, handles: list[Any]) -> None:
         """Hooks on the state dicts of the modules that own units, and of those that hold
@@ -77,7 +78,11 @@ class StateDicts:
         return hook
 
     def _load_pre(self, units: list[Unit]) -> Callable:
-        def hook(module: nn.Module, *args: Any) -> None:
+        def hook(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+            if not loads_own(module, state_dict, prefix):
+                self._loading.discard(id(units))  # left by a load that raised
+                return  # nothing of its own is loaded: nothing comes in or goes home
+            self._loading.add(id(units))
             for u in units:
                 self.guards.before_write(u)
             settle(self.optimizers, units)
@@ -86,6 +91,9 @@ class StateDicts:
 
     def _load_post(self, units: list[Unit]) -> Callable:
         def hook(module: nn.Module, incompatible: Any) -> None:
+            if id(units) not in self._loading:
+                return
+            self._loading.discard(id(units))
             missing = set(incompatible.missing_keys)
             for u in units:
                 self.layout.mark_loaded([p for n, p in zip(u.names, u.params)
@@ -95,3 +103,9 @@ class StateDicts:
             self.tiers.scheduler.release(units)
             self.tiers.scheduler.trim()
         return hook
+
+
+def loads_own(module: nn.Module, state_dict: dict, prefix: str) -> bool:
+    """``state_dict`` has a value for one of ``module``'s own parameters (a PEFT adapter's
+    load has none for the frozen base's layers, which are then not rewritten)."""
+    return any(prefix + n in state_dict for n, p in module._parameters.items() if p is not None)

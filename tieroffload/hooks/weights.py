@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -22,6 +22,14 @@ from . import registry
 from .state import OffloadState
 
 Source = str | os.PathLike | dict[str, torch.Tensor] | Sequence[str | os.PathLike]
+
+
+class IncompatibleKeys(NamedTuple):
+    """What ``load_weights`` returns, as ``load_state_dict`` does: the model's parameters the
+    weights lack, and the weights' keys the model does not have (empty unless strict=False)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
 @dataclass(frozen=True)
@@ -147,25 +155,26 @@ def _checked_source(source: Any) -> Source:
     return files
 
 
-def load_weights(model: nn.Module, source: Source, strict: bool = True) -> None:
+def load_weights(model: nn.Module, source: Source, strict: bool = True) -> IncompatibleKeys:
     """Loads weights from safetensors (a file, a sharded directory, its index, or a list of
     shards) or a state dict, streamed one shard and one unit at a time into the tiers, so a
     model larger than RAM can be filled. A tied parameter loads under any of its names.
     Non-persistent buffers of a model built on the meta device are computed (a Hugging Face
     model's ``_init_weights``: rotary frequencies, position ids). Only regular files are read,
-    and from a folder or an index only files in that folder, never through a symlink."""
+    and from a folder or an index only files in that folder, never through a symlink.
+    Returns the missing and unexpected keys, as ``load_state_dict`` does."""
     source = _checked_source(source)
     s = registry.state_of(model)
     shards, folder_fd = ([], None) if isinstance(source, dict) else shard_files(source)
     try:
-        _load(model, s, source, shards, strict)
+        return _load(model, s, source, shards, strict)
     finally:
         if folder_fd is not None:
             os.close(folder_fd)
 
 
 def _load(model: nn.Module, s: OffloadState, source: Source, shards: list[Shard],
-          strict: bool) -> None:
+          strict: bool) -> IncompatibleKeys:
     names = _aliases(model)
     shapes: dict[str, tuple[int, ...]] = {}  # of every key, from the headers
     if isinstance(source, dict):
@@ -211,6 +220,7 @@ def _load(model: nn.Module, s: OffloadState, source: Source, shards: list[Shard]
         with _safe_open(f) as h:  # one shard at a time
             _load_from(s, names, keys, h.get_tensor)
     _meta_buffers(model, s.device, plan, source if isinstance(source, dict) else None)
+    return IncompatibleKeys(missing, unexpected)
 
 
 def _aliases(model: nn.Module) -> dict[int, set[str]]:
