@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from ..core.units import Unit
-from ..hooks.state import OffloadState, _state
+from ..hooks.registry import state_of
+from ..hooks.state import OffloadState
 from ..hooks.steps import clip_norm
 from .deferred import Updater
 from .guards import (
@@ -124,7 +125,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                  params: Iterable | None, kwargs: dict[str, Any],
                  loss_scale: str | float | None = "auto", overlap: bool | str = True,
                  accumulation_steps: int = 1) -> None:
-        self.offload: OffloadState = _state(model)
+        self.offload: OffloadState = state_of(model)
         offload = self.offload
         self.tier = offload.policy.optimizer
         device = offload.device
