@@ -16,6 +16,7 @@ import zlib
 import pytest
 import torch
 from conftest import mounted
+from helpers import square_step
 from models import TinyGPT, mlp
 from test_faults import KW, THREADS, assert_same, batch, optim_state_of, params_of
 
@@ -95,11 +96,7 @@ def close(model, opt) -> None:
 
 
 def loss_step(model, opt, step: int) -> float:
-    opt.zero_grad()
-    loss = model(batch(step)).float().square().mean()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return square_step(model, opt, batch(step))
 
 
 def save_small(tmp_path, name="ckpt", extra=None):

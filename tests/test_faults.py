@@ -24,9 +24,11 @@ import textwrap
 import time
 import zlib
 
+import helpers
 import pytest
 import torch
 from conftest import mounted
+from helpers import square_step
 from models import TinyGPT, mlp
 
 import tieroffload
@@ -201,7 +203,7 @@ def run_faulty(shim: str, body: str, tmp_path, timeout: float = 60) -> dict:
 
 def nvme_policy(tmp_path, **kw) -> Policy:
     kw.setdefault("cpu_budget", "80KiB")  # a few units: they really come and go
-    return Policy(params="nvme", nvme_dir=str(tmp_path), device="cpu", io=THREADS, **kw)
+    return helpers.nvme_policy(tmp_path, io=THREADS, **kw)
 
 
 def batch(step: int) -> torch.Tensor:
@@ -210,9 +212,7 @@ def batch(step: int) -> torch.Tensor:
 
 
 def train_step(model, opt, step: int) -> None:
-    opt.zero_grad()
-    model(batch(step)).float().square().mean().backward()
-    opt.step()
+    square_step(model, opt, batch(step))
 
 
 def params_of(model) -> dict[str, torch.Tensor]:
