@@ -12,6 +12,16 @@ import tieroffload
 from tieroffload import aio
 
 
+def pytest_configure(config):
+    """One compute thread per process (the tests' own and their children), unless
+    OMP_NUM_THREADS says otherwise: the models here are tiny, and on a machine of few cores,
+    shared, OpenMP's threads spend far longer waiting for each other than the ops take (the
+    optimizer tests ran 4 to 10 times slower with two). Every comparison is within a process,
+    so its reference runs with the same count; tests of core lending set their own."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def pytest_report_header(config):
     return f"tieroffload aio backends: {aio.backends()}"
 
