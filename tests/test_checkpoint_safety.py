@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 from conftest import mounted
-from helpers import square_step
+from helpers import cached, square_step
 from models import TinyGPT, mlp
 from test_faults import KW, THREADS, assert_same, batch, optim_state_of, params_of
 
@@ -327,8 +327,10 @@ def test_sgd_state_names_are_checked(tmp_path):
 # -- item 4: a load resets what torch's load_state_dict resets ---------------------------------
 
 
+@cached
 def torch_losses(steps: range, kind: str) -> list[float]:
-    """A fresh plain torch run; fused AdamW where the paged optimizer uses it (its default)."""
+    """A fresh plain torch run; fused AdamW where the paged optimizer uses it (its default).
+    Computed once per (steps, kind)."""
     torch.manual_seed(0)
     model = TinyGPT()
     opt = torch.optim.AdamW(model.parameters(), **KW, fused=kind != "plain")

@@ -1044,7 +1044,7 @@ def test_swap_files_of_killed_runs_are_removed_and_live_ones_kept(tmp_path):
 
 
 SAVER = """
-import sys, torch, tieroffload
+import os, sys, torch, tieroffload
 sys.path.insert(0, {tests!r})
 from models import mlp
 torch.manual_seed(0)
@@ -1052,9 +1052,17 @@ model = mlp(width=64, depth=4)
 opt = torch.optim.AdamW(model.parameters())
 model(torch.randn(2, 64)).square().mean().backward()
 opt.step()
-print("ready", flush=True)
-for i in range(100000):
-    tieroffload.save_checkpoint({path!r}, model, opt, extra={{"i": i}})
+# One import for all the rounds: each line read forks a saver (this process has run no
+# thread), which says "ready <pid>" and saves over and over until it is killed.
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        print("ready", os.getpid(), flush=True)
+        for i in range(100000):
+            tieroffload.save_checkpoint({path!r}, model, opt, extra={{"i": i}})
+        os._exit(0)
+    os.waitpid(pid, 0)
+    print("killed", flush=True)
 """
 
 
@@ -1067,18 +1075,23 @@ def test_a_kill_at_any_moment_of_a_save_leaves_a_loadable_checkpoint(tmp_path):
     path = str(tmp_path / "ckpt")
     rng = random.Random(0)
     loaded = []
+    forks = subprocess.Popen([sys.executable, "-c", SAVER.format(tests=HERE, path=path)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     for _ in range(6):
-        child = subprocess.Popen([sys.executable, "-c", SAVER.format(tests=HERE, path=path)],
-                                 stdout=subprocess.PIPE, text=True)
-        assert child.stdout.readline().strip() == "ready"
+        forks.stdin.write("go\n")
+        forks.stdin.flush()
+        ready, pid = forks.stdout.readline().split()
+        assert ready == "ready"
         time.sleep(0.2 + rng.random() * 0.3)
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+        os.kill(int(pid), signal.SIGKILL)
+        assert forks.stdout.readline().strip() == "killed"  # reaped: no write after this
         model = mlp(width=64, depth=4)
         opt = torch.optim.AdamW(model.parameters())
         model(torch.randn(2, 64)).square().mean().backward()
         opt.step()
         loaded.append(tieroffload.load_checkpoint(path, model, opt)["i"])
+    forks.stdin.close()
+    assert forks.wait(timeout=60) == 0
     assert len(set(loaded)) > 1, loaded  # the kills landed at different saves
     leftovers = [n for n in os.listdir(tmp_path) if n != "ckpt"]
     assert not leftovers, f"a load left these behind: {leftovers}"
