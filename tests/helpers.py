@@ -66,6 +66,30 @@ def gpt_step(model: nn.Module, opt, i: int, batch: int = 4, seq: int = 16,
     return loss.item()
 
 
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of each parameter, by name (read inside materialize where offloaded)."""
+    if getattr(model, "_tieroffload", None) is None:
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+    with tieroffload.materialize(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def optim_state_of(opt) -> dict:
+    """A copy of each optimizer state entry, by (index, key)."""
+    sd = opt.state_dict()["state"]
+    return {(i, k): (v.clone() if isinstance(v, torch.Tensor) else v)
+            for i, st in sd.items() for k, v in st.items()}
+
+
+def assert_same(a: dict, b: dict, what: str) -> None:
+    """``a`` and ``b`` (of params_of or optim_state_of) equal, bit for bit."""
+    assert a.keys() == b.keys(), what
+    for k in a:
+        va, vb = a[k], b[k]
+        same = torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb
+        assert same, f"{what}: {k} changed"
+
+
 def cached(fn: Callable[..., T]) -> Callable[..., T]:
     """``fn`` (a pure builder: same arguments, same result) computed once per arguments; each
     call returns a deep copy, so that no test can change what the next one gets."""

@@ -16,9 +16,9 @@ import zlib
 import pytest
 import torch
 from conftest import mounted
-from helpers import cached, square_step
+from helpers import assert_same, cached, optim_state_of, params_of, square_step
 from models import TinyGPT, mlp
-from test_faults import KW, THREADS, assert_same, batch, optim_state_of, params_of
+from test_faults import KW, THREADS, batch
 
 import tieroffload
 from tieroffload import CheckpointError, Policy

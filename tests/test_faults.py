@@ -28,7 +28,7 @@ import helpers
 import pytest
 import torch
 from conftest import mounted
-from helpers import square_step
+from helpers import ADAMW, assert_same, optim_state_of, params_of, square_step
 from models import TinyGPT, mlp
 
 import tieroffload
@@ -61,7 +61,7 @@ def paged_step_counts(opt) -> list[float]:
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 THREADS = IOConfig(backend="threads", block_size=64 << 10)
-KW = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+KW = ADAMW
 
 SHIM = r"""
 #define _GNU_SOURCE
@@ -214,26 +214,6 @@ def batch(step: int) -> torch.Tensor:
 def train_step(model, opt, step: int) -> None:
     square_step(model, opt, batch(step))
 
-
-def params_of(model) -> dict[str, torch.Tensor]:
-    if getattr(model, "_tieroffload", None) is None:
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
-    with tieroffload.materialize(model):
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def optim_state_of(opt) -> dict:
-    sd = opt.state_dict()["state"]
-    return {(i, k): (v.clone() if isinstance(v, torch.Tensor) else v)
-            for i, st in sd.items() for k, v in st.items()}
-
-
-def assert_same(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for k in a:
-        va, vb = a[k], b[k]
-        same = torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb
-        assert same, f"{what}: {k} changed"
 
 
 # === 1. transient EIO on a swap read during training ==========================================
