@@ -1,11 +1,25 @@
 import contextlib
+import functools
 import os
 import subprocess
 import uuid
+import weakref
 
 import pytest
+import torch
 
+import tieroffload
 from tieroffload import aio
+
+
+def pytest_configure(config):
+    """One compute thread per process (the tests' own and their children), unless
+    OMP_NUM_THREADS says otherwise: the models here are tiny, and on a machine of few cores,
+    shared, OpenMP's threads spend far longer waiting for each other than the ops take (the
+    optimizer tests ran 4 to 10 times slower with two). Every comparison is within a process,
+    so its reference runs with the same count; tests of core lending set their own."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_report_header(config):
@@ -43,3 +57,38 @@ def mounted(fstype: str, options: str = ""):
     finally:
         subprocess.run(["umount", "-l", where], check=False)
         os.rmdir(where)
+
+
+@pytest.fixture(autouse=True)
+def closes_what_it_opened(monkeypatch):
+    """Every model that ``tieroffload.offload`` offloaded and every optimizer that
+    ``tieroffload.optimizer`` made during the test is closed at its teardown, even where an
+    assert failed before the test's own close(): its swap files and threads never outlive it.
+    Weak references only: a test that checks what garbage collection frees sees the same."""
+    opened: list[weakref.ref] = []
+    offload, optimizer = tieroffload.offload, tieroffload.optimizer
+
+    @functools.wraps(offload)
+    def tracked_offload(model, *args, **kwargs):
+        out = offload(model, *args, **kwargs)
+        opened.append(weakref.ref(model))
+        return out
+
+    @functools.wraps(optimizer)
+    def tracked_optimizer(*args, **kwargs):
+        out = optimizer(*args, **kwargs)
+        opened.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(tieroffload, "offload", tracked_offload)
+    monkeypatch.setattr(tieroffload, "optimizer", tracked_optimizer)
+    yield
+    for ref in reversed(opened):  # optimizers before their models
+        obj = ref()
+        if obj is None:
+            continue
+        with contextlib.suppress(Exception):
+            if isinstance(obj, torch.nn.Module):
+                tieroffload.close(obj, restore=False)
+            else:
+                obj.close(apply=False)

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from helpers import cached
 from models import TinyGPT
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -53,14 +54,21 @@ def assert_same(a, b):
             assert torch.equal(x, y)
 
 
+@cached
+def stack_reference(ckpt: str | None):
+    """The plain Stack, its input and its losses and gradients: the same for every tier and
+    delay of test_gradients_match, so computed once per ``ckpt``."""
+    torch.manual_seed(0)
+    ref = Stack(ckpt=ckpt)
+    x = torch.randn(1024, 128, requires_grad=ckpt == "reentrant")
+    return ref, x, grads_of(ref, x)
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.004])
 @pytest.mark.parametrize("ckpt", [None, "nonreentrant", "reentrant"])
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_gradients_match(tier, ckpt, delay, tmp_path):
-    torch.manual_seed(0)
-    ref = Stack(ckpt=ckpt)
-    x = torch.randn(1024, 128, requires_grad=ckpt == "reentrant")
-    want = grads_of(ref, x)
+    ref, x, want = stack_reference(ckpt)
     model = tieroffload.offload(copy.deepcopy(ref), Policy(
         params="cpu", device="cpu", nvme_dir=str(tmp_path), activations=tier,
         activation_threshold="64KiB"),

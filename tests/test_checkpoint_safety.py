@@ -16,8 +16,9 @@ import zlib
 import pytest
 import torch
 from conftest import mounted
+from helpers import assert_same, cached, optim_state_of, params_of, square_step
 from models import TinyGPT, mlp
-from test_faults import KW, THREADS, assert_same, batch, optim_state_of, params_of
+from test_faults import KW, THREADS, batch
 
 import tieroffload
 from tieroffload import CheckpointError, Policy
@@ -95,11 +96,7 @@ def close(model, opt) -> None:
 
 
 def loss_step(model, opt, step: int) -> float:
-    opt.zero_grad()
-    loss = model(batch(step)).float().square().mean()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return square_step(model, opt, batch(step))
 
 
 def save_small(tmp_path, name="ckpt", extra=None):
@@ -330,8 +327,10 @@ def test_sgd_state_names_are_checked(tmp_path):
 # -- item 4: a load resets what torch's load_state_dict resets ---------------------------------
 
 
+@cached
 def torch_losses(steps: range, kind: str) -> list[float]:
-    """A fresh plain torch run; fused AdamW where the paged optimizer uses it (its default)."""
+    """A fresh plain torch run; fused AdamW where the paged optimizer uses it (its default).
+    Computed once per (steps, kind)."""
     torch.manual_seed(0)
     model = TinyGPT()
     opt = torch.optim.AdamW(model.parameters(), **KW, fused=kind != "plain")

@@ -24,9 +24,11 @@ import textwrap
 import time
 import zlib
 
+import helpers
 import pytest
 import torch
 from conftest import mounted
+from helpers import ADAMW, assert_same, optim_state_of, params_of, square_step
 from models import TinyGPT, mlp
 
 import tieroffload
@@ -59,7 +61,7 @@ def paged_step_counts(opt) -> list[float]:
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 THREADS = IOConfig(backend="threads", block_size=64 << 10)
-KW = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+KW = ADAMW
 
 SHIM = r"""
 #define _GNU_SOURCE
@@ -201,7 +203,7 @@ def run_faulty(shim: str, body: str, tmp_path, timeout: float = 60) -> dict:
 
 def nvme_policy(tmp_path, **kw) -> Policy:
     kw.setdefault("cpu_budget", "80KiB")  # a few units: they really come and go
-    return Policy(params="nvme", nvme_dir=str(tmp_path), device="cpu", io=THREADS, **kw)
+    return helpers.nvme_policy(tmp_path, io=THREADS, **kw)
 
 
 def batch(step: int) -> torch.Tensor:
@@ -210,30 +212,8 @@ def batch(step: int) -> torch.Tensor:
 
 
 def train_step(model, opt, step: int) -> None:
-    opt.zero_grad()
-    model(batch(step)).float().square().mean().backward()
-    opt.step()
+    square_step(model, opt, batch(step))
 
-
-def params_of(model) -> dict[str, torch.Tensor]:
-    if getattr(model, "_tieroffload", None) is None:
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
-    with tieroffload.materialize(model):
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def optim_state_of(opt) -> dict:
-    sd = opt.state_dict()["state"]
-    return {(i, k): (v.clone() if isinstance(v, torch.Tensor) else v)
-            for i, st in sd.items() for k, v in st.items()}
-
-
-def assert_same(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for k in a:
-        va, vb = a[k], b[k]
-        same = torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb
-        assert same, f"{what}: {k} changed"
 
 
 # === 1. transient EIO on a swap read during training ==========================================
@@ -1044,7 +1024,7 @@ def test_swap_files_of_killed_runs_are_removed_and_live_ones_kept(tmp_path):
 
 
 SAVER = """
-import sys, torch, tieroffload
+import os, sys, torch, tieroffload
 sys.path.insert(0, {tests!r})
 from models import mlp
 torch.manual_seed(0)
@@ -1052,9 +1032,17 @@ model = mlp(width=64, depth=4)
 opt = torch.optim.AdamW(model.parameters())
 model(torch.randn(2, 64)).square().mean().backward()
 opt.step()
-print("ready", flush=True)
-for i in range(100000):
-    tieroffload.save_checkpoint({path!r}, model, opt, extra={{"i": i}})
+# One import for all the rounds: each line read forks a saver (this process has run no
+# thread), which says "ready <pid>" and saves over and over until it is killed.
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        print("ready", os.getpid(), flush=True)
+        for i in range(100000):
+            tieroffload.save_checkpoint({path!r}, model, opt, extra={{"i": i}})
+        os._exit(0)
+    os.waitpid(pid, 0)
+    print("killed", flush=True)
 """
 
 
@@ -1067,18 +1055,23 @@ def test_a_kill_at_any_moment_of_a_save_leaves_a_loadable_checkpoint(tmp_path):
     path = str(tmp_path / "ckpt")
     rng = random.Random(0)
     loaded = []
+    forks = subprocess.Popen([sys.executable, "-c", SAVER.format(tests=HERE, path=path)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     for _ in range(6):
-        child = subprocess.Popen([sys.executable, "-c", SAVER.format(tests=HERE, path=path)],
-                                 stdout=subprocess.PIPE, text=True)
-        assert child.stdout.readline().strip() == "ready"
+        forks.stdin.write("go\n")
+        forks.stdin.flush()
+        ready, pid = forks.stdout.readline().split()
+        assert ready == "ready"
         time.sleep(0.2 + rng.random() * 0.3)
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+        os.kill(int(pid), signal.SIGKILL)
+        assert forks.stdout.readline().strip() == "killed"  # reaped: no write after this
         model = mlp(width=64, depth=4)
         opt = torch.optim.AdamW(model.parameters())
         model(torch.randn(2, 64)).square().mean().backward()
         opt.step()
         loaded.append(tieroffload.load_checkpoint(path, model, opt)["i"])
+    forks.stdin.close()
+    assert forks.wait(timeout=60) == 0
     assert len(set(loaded)) > 1, loaded  # the kills landed at different saves
     leftovers = [n for n in os.listdir(tmp_path) if n != "ckpt"]
     assert not leftovers, f"a load left these behind: {leftovers}"

@@ -10,6 +10,7 @@ import copy
 import json
 import os
 
+import helpers
 import pytest
 import torch
 from torch import nn
@@ -89,7 +90,7 @@ def tight_budget(model: nn.Module) -> int:
 def nvme_policy(tmp_path, model=None, **kw) -> Policy:
     if model is not None and "cpu_budget" not in kw:
         kw["cpu_budget"] = tight_budget(model)
-    return Policy(params="nvme", nvme_dir=str(tmp_path), device="cpu", **kw)
+    return helpers.nvme_policy(tmp_path, **kw)
 
 
 def pair(make, tmp_path, **kw):

@@ -1,10 +1,10 @@
 """stats(model)["memory"]: the process's RSS split by holder, each holder's figure exact."""
 
 import torch
-import torch.nn.functional as F
+from helpers import gpt_step
 
 import tieroffload
-from tieroffload.testing.models import GPT, token_batch
+from tieroffload.testing.models import GPT
 from tieroffload.utils import memory
 
 MiB = 1 << 20
@@ -12,10 +12,7 @@ MiB = 1 << 20
 
 def _train(model, opt, steps=2):
     for i in range(steps):
-        x, y = token_batch(i, 4, 16, 97)
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-        opt.step()
-        opt.zero_grad()
+        gpt_step(model, opt, i)
 
 
 def test_memory_parts_sum_to_rss_and_name_the_state_in_ram():

@@ -9,27 +9,20 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import gpt_step, nvme_policy
 
 import tieroffload
 from tieroffload.core.stats import KINDS, TIERS
-from tieroffload.testing.models import GPT, token_batch
+from tieroffload.testing.models import GPT
 
 MiB = 1 << 20
 
 
 def _nvme_policy(tmp_path, **kw):
-    return tieroffload.Policy(params="nvme", optimizer="nvme", grads="nvme",
-                              nvme_dir=str(tmp_path), device="cpu", cpu_budget=96 << 10, **kw)
+    return nvme_policy(tmp_path, optimizer="nvme", grads="nvme", cpu_budget=96 << 10, **kw)
 
 
-def _step(model, opt, i):
-    x, y = token_batch(i, 4, 16, 97)
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.item()
+_step = gpt_step
 
 
 def test_memory_parts_are_never_negative_and_add_up_to_rss_after_the_heap_is_trimmed(tmp_path):

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from helpers import cpu_policy, nvme_policy, offloaded_pair, square_loss
 from models import Branchy, TinyGPT, mlp
 from torch import nn
 
@@ -29,20 +30,14 @@ MODELS = {
 
 
 def policy_for(tier: str, tmp_path, **kw) -> Policy:
-    if tier == "nvme":
-        return Policy(params="nvme", nvme_dir=str(tmp_path), device="cpu", **kw)
-    return Policy(params=tier, device="cpu", **kw)
+    return nvme_policy(tmp_path, **kw) if tier == "nvme" else cpu_policy(params=tier, **kw)
 
 
 def pair(name: str, tier: str, tmp_path, **kw):
-    torch.manual_seed(0)
-    ref = MODELS[name][0]()
-    model = tieroffload.offload(copy.deepcopy(ref), policy_for(tier, tmp_path, **kw))
-    return ref, model
+    return offloaded_pair(MODELS[name][0], policy_for(tier, tmp_path, **kw))
 
 
-def loss_of(out: torch.Tensor) -> torch.Tensor:
-    return out.float().square().mean()
+loss_of = square_loss
 
 
 def budget_of(model: nn.Module) -> int:

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 from conftest import mounted
+from helpers import ADAMW, cpu_policy, offloaded_pair
 from models import CheckpointedGPT, TinyGPT, mlp
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -35,8 +36,7 @@ CONFIGS = {  # (params, optimizer state, gradients)
 def policy(config: str, tmp_path) -> Policy:
     params, optim, grads = CONFIGS[config]
     budget = "80KiB" if params == "nvme" else None  # a few units: chunks really stream
-    return Policy(params=params, optimizer=optim, grads=grads, nvme_dir=str(tmp_path),
-                  device="cpu", cpu_budget=budget)
+    return cpu_policy(tmp_path, params=params, optimizer=optim, grads=grads, cpu_budget=budget)
 
 
 def batch(step: int, micro: int) -> torch.Tensor:
@@ -63,14 +63,11 @@ def train(model, opt, sched, steps, start=0, accumulate=2):
 
 def adamw_pair(config: str, delay: float, overlap, tmp_path, make=TinyGPT, **opt_kw):
     """A TinyGPT (or ``make()``) and its offloaded copy, with plain AdamW and the paged one."""
-    torch.manual_seed(0)
-    ref = make()
-    model = tieroffload.offload(copy.deepcopy(ref), policy(config, tmp_path),
+    ref, model = offloaded_pair(make, policy(config, tmp_path),
                                 _io_delay=(lambda: time.sleep(delay)) if delay else None)
-    kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **kw)
+    opt_ref = torch.optim.AdamW(ref.parameters(), fused=True, **ADAMW)
     return ref, model, opt_ref, tieroffload.optimizer(model, torch.optim.AdamW,
-                                                      overlap=overlap, **kw, **opt_kw)
+                                                      overlap=overlap, **ADAMW, **opt_kw)
 
 
 def assert_same_params(ref, model) -> None:

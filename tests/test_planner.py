@@ -2,7 +2,6 @@
 
 import copy
 import functools
-import statistics
 import time
 
 import pytest
@@ -85,12 +84,9 @@ def test_auto_is_faster_than_all_on_nvme_where_the_budget_allows(machine, profil
                       machine=machine, profile=prof, device="cpu")
     naive = Policy(device="cpu", params="nvme", optimizer="nvme", grads="nvme",
                    activations="nvme", nvme_dir=str(tmp_path), cpu_budget=4 * prof.largest_unit)
+    # The prediction only: the measured comparison, interleaved rounds and their medians, is
+    # bench/planner_vs_naive.py (wall time on a shared machine belongs in bench/).
     assert pol.plan.prediction.step_s < predict(naive, prof, machine).step_s
-    ours, theirs = [], []
-    for _ in range(2):  # interleaved: the disk here is noisy
-        ours.append(measure(build, sample, pol, steps=2).step_s)
-        theirs.append(measure(build, sample, naive, steps=2).step_s)
-    assert statistics.median(ours) < statistics.median(theirs)
     text = pol.explain()
     assert "predicted step" in text and "bottleneck" in text and "all on NVMe" in text
 

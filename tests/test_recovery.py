@@ -3,7 +3,7 @@ and offload's one-line errors for a wrong argument or a model offloaded twice ov
 
 Each case is compared bit for bit with a run that never met the failure (or, for a plain torch
 optimizer, with plain PyTorch meeting the same one), and ends with ``close()`` releasing
-everything. Helpers come from test_faults.py.
+everything. Helpers come from helpers.py and test_faults.py.
 """
 
 import contextlib
@@ -14,18 +14,9 @@ import threading
 
 import pytest
 import torch
+from helpers import assert_same, optim_state_of, params_of
 from models import TinyGPT
-from test_faults import (
-    KW,
-    assert_same,
-    batch,
-    nvme_policy,
-    optim_state_of,
-    overlap_pair_with_checkpoint,
-    params_of,
-    run_faulty,
-    train_step,
-)
+from test_faults import KW, batch, nvme_policy, overlap_pair_with_checkpoint, run_faulty, train_step
 from test_faults import shim as shim  # noqa: F401 - the fault shim's fixture, used by name
 
 import tieroffload
