@@ -27,6 +27,9 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 
 class _Writer:
+    """Appends tensors' bytes to one open file and keeps each one's manifest entry (key,
+    dtype, shape, offset, size, checksum)."""
+
     def __init__(self, f: BinaryIO) -> None:
         self.f = f
         self.entries: list[dict[str, Any]] = []

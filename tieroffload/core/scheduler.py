@@ -31,6 +31,10 @@ log = logging.getLogger("tieroffload")
 
 
 class Scheduler:
+    """Residency of a model's units under a byte budget: acquires and releases (pins),
+    prefetch along the recorded order, eviction by Belady's rule, write-behind, and the
+    adaptation of the prefetch window. Moves units only through ``Unit.move_to``."""
+
     def __init__(self, units: list[Unit], mover: Mover, budget: int, prefetch_units: int,
                  prefetch_bytes: int | None, stats: Stats, adapt: bool = True) -> None:
         self.units = units

@@ -14,6 +14,8 @@ from .record import keys
 
 
 class Writer(Protocol):
+    """What the monitor asks of a writer: one record per step, then close."""
+
     def write(self, record: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
 

@@ -26,6 +26,9 @@ from .profile import Profile
 
 @dataclass(frozen=True)
 class Prediction:
+    """The cost model's figures for one step of a placement: time per phase, compute and
+    I/O time, bytes moved, peak bytes per tier and what bounds the step."""
+
     step_s: float
     phases: dict[str, float]          # forward, backward, step
     compute_s: float

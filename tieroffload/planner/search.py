@@ -205,6 +205,8 @@ def _param_budgets(c: dict[str, Any], profile: Profile, budgets: dict[str, int |
 
 @dataclass(frozen=True)
 class Measured:
+    """What ``measure`` saw over a few real steps of a policy."""
+
     step_s: float
     peak: int             # peak RSS (CPU) or allocated (GPU) above the start, bytes
     bytes_read: int

@@ -9,6 +9,8 @@ from torch import nn
 
 
 class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention and an MLP, each residual."""
+
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
         self.heads = heads

@@ -158,6 +158,8 @@ def resident_bytes(ranges: Iterable[tuple[int, int]]) -> int:
 
 
 class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2``."""
+
     _fields_ = [(n, ctypes.c_size_t) for n in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
         "fordblks", "keepcost")]

@@ -25,6 +25,8 @@ from .common import DEEPSPEED_MAX, ENGINE_PREFIX, BenchError, FioFailed, MiB
 
 @dataclass(frozen=True)
 class Point:
+    """One measured setting: read or write, block size and queue depth."""
+
     direction: str
     block_size: int
     queue_depth: int
