@@ -58,7 +58,7 @@ fi
 'backends', aio.backends())" || { echo "gpu_check: tieroffload does not import"; exit 1; }
 
 echo "== tests/test_cuda.py"
-timeout "$(left 150)" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py
+timeout "$(left 150)" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py
 tests=$?
 
 echo "== bench/gpu_step.py"

@@ -17,37 +17,10 @@ import torch
 import torch.nn.functional as F
 
 import tieroffload
+from tieroffload.testing.deepspeed import article_config
 from tieroffload.testing.models import GPT, token_batch
 
 VOCAB, SEQ = 256, 32
-
-
-def ds_config(nvme: str) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 2,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 4,
-        "wall_clock_breakdown": True,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                  "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
-                                                     "warmup_num_steps": 4}},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": True},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": True},
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "stage3_max_live_parameters": 5e5,
-            "stage3_prefetch_bucket_size": 1e5,
-        },
-        "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
-                                     "contiguous_memory_optimization": False,
-                                     "number_checkpoints": None,
-                                     "synchronize_checkpoint_boundary": False, "profile": False},
-    }
 
 
 def main() -> None:
@@ -58,7 +31,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     created = not os.path.isdir(args.dir)
     os.makedirs(args.dir, exist_ok=True)
-    config = ds_config(args.dir)
+    config = article_config(args.dir)
     torch.manual_seed(0)
     model = GPT(vocab=VOCAB, d=128, layers=2, heads=4, seq=SEQ)
     engine, optimizer, _, lr_scheduler = tieroffload.initialize(model=model, config=config)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import tieroffload
 from tieroffload.dropin import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from tieroffload.dropin.scaler import DeepSpeedLossScale
+from tieroffload.testing.deepspeed import article_config as deepspeed_article
 from tieroffload.testing.models import GPT, token_batch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -32,31 +33,10 @@ MAX_LR, WARMUP = 1e-2, 4
 
 
 def article_config(nvme: str) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": ACCUM,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 1,
-        "wall_clock_breakdown": False,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": MAX_LR, "betas": [0.9, 0.95],
-                                                  "eps": 1e-8, "weight_decay": 0.1}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": MAX_LR,
-                                                     "warmup_num_steps": WARMUP}},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": True},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": True},
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "stage3_max_live_parameters": 40000,
-            "stage3_prefetch_bucket_size": 10000,
-        },
-        "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
-                                     "contiguous_memory_optimization": False,
-                                     "number_checkpoints": None,
-                                     "synchronize_checkpoint_boundary": False, "profile": False},
-    }
+    """The article's config at this file's sizes (micro batch, accumulation: MICRO, ACCUM)."""
+    return deepspeed_article(nvme, lr=MAX_LR, weight_decay=0.1, warmup_steps=WARMUP,
+                             max_live=40000, prefetch=10000, steps_per_print=1,
+                             wall_clock_breakdown=False)
 
 
 def gpt() -> GPT:
