@@ -186,6 +186,25 @@ def test_trainer_optimizer_keeps_the_trainers_decay_groups(tmp_path):
     tieroffload.close(model)
 
 
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused", "sgd", "rmsprop"])
+def test_trainer_optimizer_steps_as_the_trainers_own_optimizer(optim, tmp_path):
+    """Each ``optim`` keeps the Trainer's kernel (``adamw_torch`` is torch's default AdamW,
+    not the fused one): three steps give the weights the Trainer's own optimizer gives."""
+    ref = llama()
+    model = offloaded(ref, tmp_path)
+    args = trainer_args(tmp_path / "o", optim=optim)
+    opts = [tieroffload.hf.trainer_optimizer(model, args),
+            transformers.Trainer(model=ref, args=args).create_optimizer()]
+    x = tokens()
+    for _ in range(3):
+        for m, o in zip((model, ref), opts):
+            m(input_ids=x, labels=x).loss.backward()
+            o.step()
+            o.zero_grad()
+    same_params(ref, model)
+    tieroffload.close(model)
+
+
 def test_trainer_equals_the_plain_trainer_bit_for_bit(tmp_path):
     """The Trainer's groups, linear schedule with warm-up, clipping, accumulation, saves and
     tensorboard logs: losses, logged norms and learning rates and the weights equal, within

@@ -45,4 +45,9 @@ def trainer_optimizer(model: nn.Module, args: Any) -> torch.optim.Optimizer:
             f"tieroffload.hf.trainer_optimizer: {len(plain)} trainable parameter(s) outside "
             f"the offloaded units ({plain[0]!r}) beside {len(paged)} offloaded ones: train "
             "one kind only (freeze the base for adapters), or build the optimizers yourself")
+    # The Trainer's kernel: its plain AdamW (optim="adamw_torch") is torch's default, not the
+    # fused kernel a paged Adam takes when it is not told.
+    adam = opt_cls in (torch.optim.Adam, torch.optim.AdamW)
+    if adam and not {"fused", "foreach"} & kwargs.keys():
+        kwargs["fused"] = None
     return optimizer(model, opt_cls, groups, **kwargs)
