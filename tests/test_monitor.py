@@ -345,3 +345,33 @@ def test_monitor_step_after_the_model_was_closed_says_so():
             monitor.step()
     finally:
         monitor.close()
+
+
+@pytest.mark.parametrize("steps, words", [("3", "must be a list of step numbers"),
+                                          ([0], "holds 0; steps are counted from"),
+                                          ([2.0], "holds 2.0"), ([True], "holds True")])
+def test_trace_steps_that_would_never_be_traced_are_refused_naming_them(steps, words):
+    model = tieroffload.offload(torch.nn.Linear(4, 4), tieroffload.Policy(params="cpu",
+                                                                       device="cpu"))
+    try:
+        with pytest.raises((TypeError, ValueError), match=words):
+            tieroffload.Monitor(model, trace_steps=steps)
+        with pytest.raises(ValueError, match=r"start_step \+ 1 = 6"):
+            tieroffload.Monitor(model, trace_steps=[5], start_step=5)
+    finally:
+        tieroffload.close(model)
+
+
+def test_a_monitor_refuses_another_model_s_optimizer_and_a_step_once_closed():
+    model = tieroffload.offload(torch.nn.Linear(4, 4), tieroffload.Policy(params="cpu",
+                                                                       device="cpu"))
+    other = torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.1)
+    try:
+        with pytest.raises(ValueError, match="steps none of the monitored model's parameters"):
+            tieroffload.Monitor(model, other)
+        monitor = tieroffload.Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        monitor.close()
+        with pytest.raises(RuntimeError, match="the monitor is closed"):
+            monitor.step()
+    finally:
+        tieroffload.close(model)

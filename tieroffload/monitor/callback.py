@@ -9,7 +9,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .monitor import Monitor
+from .monitor import Monitor, checked_steps
 from .writers import Writer
 
 _FROM_LOGS = {"loss": "loss", "learning_rate": "lr", "grad_norm": "grad_norm"}
@@ -26,7 +26,7 @@ class MonitorCallback(TrainerCallback):
 
     def __init__(self, writers: Iterable[Writer] = (), trace_steps: Iterable[int] = (),
                  trace_dir: str | os.PathLike = ".", disk: Any = None) -> None:
-        self.kwargs = dict(writers=list(writers), trace_steps=list(trace_steps),
+        self.kwargs = dict(writers=list(writers), trace_steps=sorted(checked_steps(trace_steps, 0)),
                            trace_dir=trace_dir, disk=disk)
         self.monitor: Monitor | None = None
         self.records: list[dict[str, Any]] = []  # every record written, in order

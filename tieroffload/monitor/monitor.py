@@ -48,7 +48,7 @@ class Monitor:
             disk = getattr(state.policy, "machine", None)
         self.disk = disk_figures(disk)
         self.writers = list(writers)
-        self.trace_steps = set(trace_steps)
+        self.trace_steps = checked_steps(trace_steps, start_step)
         self.trace_dir = os.fspath(trace_dir)
         self.step_count = start_step
         self.last: dict[str, Any] | None = None
@@ -64,6 +64,7 @@ class Monitor:
         if optimizer is not None:
             self.watch_optimizer(optimizer)
         self._tracer: StepTracer | None = None
+        self.closed = False
         stats(model, window=True, reset=True)
         self._t0 = time.perf_counter()
         self._maybe_trace()
@@ -83,6 +84,10 @@ class Monitor:
         optimizer inside a wrapper such as accelerate's ``AcceleratedOptimizer``)."""
         while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
             optimizer = optimizer.optimizer
+        own = {id(p) for p in self.model.parameters()}
+        if not any(id(p) in own for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError("Monitor: the optimizer steps none of the monitored model's "
+                             "parameters; pass the optimizer built over this model")
         self.optimizer = optimizer
         self._handles.append(optimizer.register_step_pre_hook(self._opt_begins))
         self._handles.append(optimizer.register_step_post_hook(self._opt_ends))
@@ -145,6 +150,9 @@ class Monitor:
         defaults to the watched optimizer's first group's, ``loss_scale`` to a paged
         optimizer's dynamic scale."""
         now = time.perf_counter()
+        if self.closed:
+            raise RuntimeError("Monitor.step: the monitor is closed (monitor.close()); "
+                               "make a new Monitor to go on recording")
         if registry.find(self.model) is None:
             raise RuntimeError("Monitor.step: the model was closed (tieroffload.close); "
                                "monitor.close() too, or offload it again with a new Monitor")
@@ -186,6 +194,7 @@ class Monitor:
 
     def close(self) -> None:
         """Removes the hooks, stops a trace under way and closes the writers."""
+        self.closed = True
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -212,3 +221,18 @@ def _number(name: str, value: Any) -> float | None:
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"Monitor.step: {name} must be a number or a one-element tensor, not "
                         f"{value!r:.60}") from None
+
+
+def checked_steps(steps: Iterable[int], start_step: int) -> set[int]:
+    """``trace_steps`` checked: whole step numbers after ``start_step`` (each is recorded)."""
+    if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
+        raise TypeError(f"Monitor: trace_steps={steps!r} must be a list of step numbers, "
+                        "such as trace_steps=[3]")
+    out = set()
+    for k in steps:
+        if isinstance(k, bool) or not isinstance(k, int) or k <= start_step:
+            raise ValueError(f"Monitor: trace_steps holds {k!r}; steps are counted from "
+                             f"start_step + 1 = {start_step + 1}, so each must be an int from "
+                             "there on")
+        out.add(k)
+    return out
