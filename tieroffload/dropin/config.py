@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..integrations.deepspeed import read_offload
-from .schedules import check_schedule
+from .schedules import check_schedule, make_schedule
 
 MONITORS = ("tensorboard", "csv_monitor", "wandb")
 MONITOR_KEYS = {"enabled", "output_path", "job_name", "project", "group", "team"}
@@ -78,12 +78,41 @@ def _section(config: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 def _number(value: Any, key: str, low: float, whole: bool = False) -> Any:
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
-          and value >= low and (not whole or float(value).is_integer()))
+    """``value`` checked: a JSON number (an int where ``whole``; never a bool) >= ``low``."""
+    ok = (not isinstance(value, bool) and isinstance(value, int if whole else (int, float))
+          and value >= low)
     if not ok:
         kind = "a whole number" if whole else "a number"
         raise ValueError(f"DeepSpeed {key} must be {kind} >= {low:g}, not {value!r}")
     return int(value) if whole else float(value)
+
+
+def _flag(section: dict[str, Any], name: str, key: str, default: bool = False) -> bool:
+    """``section[name]`` as a JSON bool (true / false; absent or null: ``default``): the string
+    "false" is refused, not read as true."""
+    value = section.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"DeepSpeed {key} must be true or false (a JSON bool), not {value!r}")
+    return value
+
+
+def _opt_params(name: str, params: dict[str, Any]) -> None:
+    """The optimizer's params checked as torch's constructor checks them, each error naming its
+    key: numbers are numbers (not strings or bools), in torch's ranges."""
+    for k, v in params.items():
+        key = f"optimizer.params.{k}"
+        if k in ("lr", "eps", "weight_decay", "momentum", "dampening"):
+            _number(v, key, 0)
+        elif k == "betas":
+            if not (isinstance(v, (list, tuple)) and len(v) == 2 and all(
+                    not isinstance(b, bool) and isinstance(b, (int, float)) and 0 <= b < 1
+                    for b in v)):
+                raise ValueError(f"DeepSpeed {key} must be two numbers in [0, 1), such as "
+                                 f"[0.9, 0.999], not {v!r}")
+        else:
+            _flag(params, k, key)
 
 
 def _batch_sizes(config: dict[str, Any], world: int) -> tuple[int, int, int]:
@@ -115,12 +144,14 @@ def _precision(config: dict[str, Any], became: dict[str, str], unknown: list[str
     bf16, fp16 = _section(config, "bf16"), _section(config, "fp16")
     unknown += [f"bf16.{k}" for k in bf16 if k != "enabled"]
     unknown += [f"fp16.{k}" for k in fp16 if k not in FP16_KEYS]
-    if bf16.get("enabled") and fp16.get("enabled"):
+    bf16_on = _flag(bf16, "enabled", "bf16.enabled")
+    fp16_on = _flag(fp16, "enabled", "fp16.enabled")
+    if bf16_on and fp16_on:
         raise ValueError("DeepSpeed bf16.enabled and fp16.enabled are both true: enable one")
-    if bf16.get("enabled"):
+    if bf16_on:
         became["bf16"] = "model cast to torch.bfloat16, fp32 master weights in the optimizer"
         return torch.bfloat16, None
-    if not fp16.get("enabled"):
+    if not fp16_on:
         return torch.float32, None
     static = _number(fp16.get("loss_scale", 0), "fp16.loss_scale", 0)
     if static > 0:
@@ -133,7 +164,7 @@ def _precision(config: dict[str, Any], became: dict[str, str], unknown: list[str
                                True),
              "min_scale": _number(fp16.get("min_loss_scale", 1), "fp16.min_loss_scale", 0),
              "hysteresis": _number(fp16.get("hysteresis", 2), "fp16.hysteresis", 1, True),
-             "consecutive": bool(fp16.get("consecutive_hysteresis", False))}
+             "consecutive": _flag(fp16, "consecutive_hysteresis", "fp16.consecutive_hysteresis")}
     became["fp16"] = (f"model cast to torch.float16, fp32 masters, dynamic loss scale from "
                       f"2**{power}, doubled after {scale['window']} good steps, halved after "
                       f"{scale['hysteresis']} overflows, at least {scale['min_scale']:g}")
@@ -160,6 +191,7 @@ def _optimizer(config: dict[str, Any], became: dict[str, str]
     if wrong:
         raise ValueError(f"DeepSpeed optimizer.params.{wrong[0]} is not a setting of {kind}: "
                          f"it takes {', '.join(sorted(allowed))}")
+    _opt_params(name, params)
     kwargs = dict(params)
     if name == "sgd":
         cls: type[torch.optim.Optimizer] = torch.optim.SGD
@@ -199,12 +231,34 @@ def _schedule(config: dict[str, Any], became: dict[str, str]
     return section.get("type"), params
 
 
+def _dry_run(opt_cls: type[torch.optim.Optimizer] | None, opt_kwargs: dict[str, Any],
+             schedule: tuple[str, dict[str, Any]] | None) -> None:
+    """Builds the optimizer and the schedule over one throwaway parameter, so that what torch's
+    constructors or the schedule refuse is refused here, before the model is touched."""
+    if schedule is not None and opt_cls is None:
+        raise ValueError("DeepSpeed scheduler needs an optimizer section in the config")
+    if opt_cls is None:
+        return
+    try:
+        opt = opt_cls([torch.nn.Parameter(torch.zeros(1))], **opt_kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"DeepSpeed optimizer.params: torch.optim.{opt_cls.__name__} refuses "
+                         f"{opt_kwargs}: {e}") from None
+    if schedule is not None:
+        try:
+            make_schedule(opt, *schedule)
+        except TypeError as e:
+            raise ValueError(f"DeepSpeed scheduler.params: {e}") from None
+
+
 def _activations(config: dict[str, Any], became: dict[str, str], unknown: list[str],
                  notes: list[str]) -> str | None:
     section = _section(config, "activation_checkpointing")
     unknown += [f"activation_checkpointing.{k}" for k in section if k not in ACTIVATION_KEYS]
     unknown += [f"activation_checkpointing.{k}" for k in sorted(ACTIVATION_KEYS - {
         "partition_activations", "cpu_checkpointing"}) if section.get(k)]  # on: not honoured
+    for k in ("partition_activations", "cpu_checkpointing"):
+        _flag(section, k, f"activation_checkpointing.{k}")
     if section.get("partition_activations"):
         notes.append("activation_checkpointing.partition_activations: one rank holds all of "
                      "them, nothing to partition (no-op)")
@@ -233,6 +287,7 @@ def read_config(config: dict[str, Any], world: int = 1) -> tuple[Plan, list[str]
     dtype, loss_scale = _precision(config, became, unknown)
     opt_cls, opt_kwargs = _optimizer(config, became)
     schedule = _schedule(config, became)
+    _dry_run(opt_cls, opt_kwargs, schedule)
     micro, acc, total = _batch_sizes(config, world)
     became["batch sizes"] = (f"micro batch {micro} (the dataloader's), {acc} micro-batches a "
                              f"step, {total} samples a step; backward divides the loss by {acc}")
@@ -247,19 +302,20 @@ def read_config(config: dict[str, Any], world: int = 1) -> tuple[Plan, list[str]
     if steps is not None:
         steps = _number(steps, "steps_per_print", 1, whole=True)
         became["steps_per_print"] = f"a log line (INFO, logger 'tieroffload') every {steps} steps"
-    wall = bool(config.get("wall_clock_breakdown", False))
+    wall = _flag(config, "wall_clock_breakdown", "wall_clock_breakdown")
     if wall:
         became["wall_clock_breakdown"] = "forward, backward and step times in that log line"
     monitor = False
     for key in MONITORS:
         section = _section(config, key)
         unknown += [f"{key}.{k}" for k in section if k not in MONITOR_KEYS]
-        if section.get("enabled"):
+        if _flag(section, "enabled", f"{key}.enabled"):
             monitor = True
             became[key] = "tieroffload.Monitor.from_deepspeed: one record per step"
+    drop_last = _flag(config, "dataloader_drop_last", "dataloader_drop_last")
     plan = Plan(policy=policy, stage=stage, dtype=dtype, loss_scale=loss_scale, opt_cls=opt_cls,
                 opt_kwargs=opt_kwargs, schedule=schedule, micro_batch=micro, accumulation=acc,
                 batch=total, clipping=clipping, steps_per_print=steps, wall_clock=wall,
-                monitor=monitor, drop_last=bool(config.get("dataloader_drop_last", False)),
+                monitor=monitor, drop_last=drop_last,
                 became=became, unknown=sorted(unknown), decided=sorted(decided))
     return plan, notes

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import load_checkpoint, save_checkpoint
-from ..hooks import offload
+from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..hooks import close, offload
 from ..monitor import Monitor
 from ..optim import optimizer as paged_optimizer
 from ..policy import Policy
@@ -136,11 +136,42 @@ class Engine(nn.Module):
         return self.plan.accumulation
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None,
-                        client_state: dict[str, Any] | None = None,
-                        save_latest: bool = True) -> bool:
+                        client_state: dict[str, Any] | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
         """The model, the optimizer, the schedule, the counters and ``client_state`` in
-        ``save_dir/tag`` (default tag ``global_step<n>``), and ``save_dir/latest`` naming it."""
+        ``save_dir/tag`` (default tag ``global_step<n>``), and ``save_dir/latest`` naming it.
+        Refused, before anything is written, between the micro-batches of an accumulation (the
+        partial gradients are not saved), for a tag that is not a plain folder name, or where
+        ``save_dir`` or its ``latest`` is not what they should be."""
+        if exclude_frozen_parameters:
+            raise ValueError("engine.save_checkpoint: exclude_frozen_parameters=True is not "
+                             "supported: tieroffload saves every parameter")
+        acc = self.plan.accumulation
+        if self.micro_steps % acc or self._losses:
+            raise RuntimeError(
+                f"engine.save_checkpoint at micro-step {self.micro_steps}, inside an "
+                f"accumulation of {acc} micro-batches (backward done, step() not yet at the "
+                "boundary): its partial gradients are not saved, so a resumed run would step "
+                "on part of the gradient; save after the step() that ends an accumulation "
+                "(where engine.is_gradient_accumulation_boundary() was true)")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        if (not tag or tag.startswith(".") or "/" in tag or "\\" in tag or ".." in tag
+                or tag in ("latest", "latest.tmp")):
+            raise CheckpointError(f"engine.save_checkpoint: tag {tag!r} is not a plain folder "
+                                  "name inside save_dir (no '/', '\\' or '..', not empty, not "
+                                  "starting with '.', not 'latest'): nothing was written")
+        save_dir = os.fspath(save_dir)
+        if not save_dir:
+            raise CheckpointError("engine.save_checkpoint needs a save_dir (a directory), not ''")
+        if os.path.lexists(save_dir) and not os.path.isdir(save_dir):
+            raise CheckpointError(f"engine.save_checkpoint: save_dir {save_dir} is a file, not a "
+                                  "directory: nothing was written; save elsewhere")
+        latest = os.path.join(save_dir, "latest")
+        for name in (latest, latest + ".tmp") if save_latest else ():
+            if os.path.lexists(name) and (os.path.islink(name) or not os.path.isfile(name)):
+                raise CheckpointError(f"engine.save_checkpoint: {name} is not a regular file "
+                                      "(DeepSpeed's 'latest' names the last tag): nothing was "
+                                      "written; remove it or save elsewhere")
         os.makedirs(save_dir, exist_ok=True)
         extra = {"client_state": dict(client_state or {}),
                  "schedule": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
@@ -148,17 +179,25 @@ class Engine(nn.Module):
                      "global_steps", "global_samples", "micro_steps", "skipped_steps")}}
         save_checkpoint(os.path.join(save_dir, tag), self.module, self.optimizer, extra=extra)
         if save_latest:
-            latest = os.path.join(save_dir, "latest")
             with open(latest + ".tmp", "w") as f:
                 f.write(tag)
             os.replace(latest + ".tmp", latest)
         return True
 
-    def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Any = None
                         ) -> tuple[str | None, dict[str, Any] | None]:
         """Restores what ``save_checkpoint`` saved (the tag named in ``load_dir/latest`` by
         default); returns ``(path, client_state)``, or ``(None, None)`` with a warning where
-        there is no ``latest`` file."""
+        there is no ``latest`` file. As DeepSpeed: ``load_optimizer_states=False`` keeps the
+        optimizer's state, ``load_lr_scheduler_states=False`` the schedule's, and
+        ``load_module_only=True`` both and the step counters."""
+        if not load_module_strict or custom_load_fn is not None:
+            raise ValueError("engine.load_checkpoint: load_module_strict=False and "
+                             "custom_load_fn are not supported: tieroffload loads every "
+                             "parameter, checked against the model")
         if tag is None:
             latest = os.path.join(load_dir, "latest")
             if not os.path.isfile(latest):
@@ -168,11 +207,14 @@ class Engine(nn.Module):
             with open(latest) as f:
                 tag = f.read().strip()
         path = os.path.join(load_dir, str(tag))
-        extra = load_checkpoint(path, self.module, self.optimizer)
-        for k, v in extra["counters"].items():
-            setattr(self, k, v)
-        if self.lr_scheduler is not None and extra["schedule"] is not None:
-            self.lr_scheduler.load_state_dict(extra["schedule"])
+        opt = None if load_module_only or not load_optimizer_states else self.optimizer
+        extra = load_checkpoint(path, self.module, opt)
+        if not load_module_only:
+            for k, v in extra["counters"].items():
+                setattr(self, k, v)
+            if (load_lr_scheduler_states and self.lr_scheduler is not None
+                    and extra["schedule"] is not None):
+                self.lr_scheduler.load_state_dict(extra["schedule"])
         self._losses = []
         return path, extra["client_state"]
 
@@ -185,17 +227,86 @@ def _policy(plan: Plan) -> Policy:
     return Policy.from_dict(fields)
 
 
-def initialize(model: nn.Module, config: dict[str, Any] | str | os.PathLike,
-               model_parameters: Any = None, training_data: Any = None,
-               strict: bool = False, collate_fn: Any = None
+def _config_of(args: Any, config: Any, config_params: Any) -> Any:
+    """The config as ``deepspeed.initialize`` finds it: ``config``, its older name
+    ``config_params``, or the path in ``args.deepspeed_config`` (``args.deepscale_config``)."""
+    if config is not None and config_params is not None:
+        raise ValueError("tieroffload.initialize: config and config_params (its older name) "
+                         "are both given: pass one")
+    config = config if config is not None else config_params
+    from_args = next((getattr(args, k) for k in ("deepspeed_config", "deepscale_config")
+                      if getattr(args, k, None) is not None), None)
+    if config is not None and from_args is not None:
+        raise ValueError(f"tieroffload.initialize: a config is given both as config= and in "
+                         f"args.deepspeed_config ({from_args!r}): pass one")
+    config = config if config is not None else from_args
+    if config is None:
+        raise ValueError("tieroffload.initialize needs a DeepSpeed config: config= (a dict or "
+                         "its JSON file), or args.deepspeed_config")
+    return config
+
+
+def _refuse_clients(optimizer: Any, lr_scheduler: Any, mpu: Any, mesh_param: Any) -> None:
+    if optimizer is not None:
+        raise ValueError("tieroffload.initialize: a client optimizer= is not supported: put it "
+                         "in the config's optimizer section ({\"type\": \"AdamW\", \"params\": "
+                         "{...}}), or build tieroffload.optimizer(model, YourClass) yourself")
+    if lr_scheduler is not None:
+        raise ValueError("tieroffload.initialize: a client lr_scheduler= is not supported: put "
+                         "it in the config's scheduler section, or step your own torch "
+                         "scheduler over the returned optimizer")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("tieroffload.initialize runs one process: mpu= and mesh_param= (model "
+                         "parallelism) are not supported; use deepspeed.initialize")
+
+
+def _touch(model: nn.Module, plan: Plan, policy: Policy, config: dict[str, Any],
+           params: list | None) -> tuple[Any, Schedule | None, Monitor | None]:
+    """Casts and offloads ``model`` and builds the optimizer, schedule and monitor over it."""
+    if plan.dtype != torch.float32:
+        model.to(plan.dtype)
+    offload(model, policy)
+    opt = None
+    if plan.opt_cls is not None:
+        scale: Any = None if plan.dtype != torch.float16 else (
+            plan.loss_scale if isinstance(plan.loss_scale, float) else "dynamic")
+        opt = paged_optimizer(model, plan.opt_cls, params, loss_scale=scale,
+                              **plan.opt_kwargs)
+        if isinstance(plan.loss_scale, dict):
+            opt.scaler = DeepSpeedLossScale(**plan.loss_scale)
+    schedule = None if plan.schedule is None else make_schedule(opt, *plan.schedule)
+    monitor = Monitor.from_deepspeed(config, model, opt) if plan.monitor else None
+    return opt, schedule, monitor
+
+
+def _undo(model: nn.Module, saved: list[tuple[dict[str, Any], str, Any, Any]]) -> None:
+    """Puts ``model`` back as it was before ``_touch``: closes its offload (if it got that
+    far) and gives each parameter and buffer back its original tensor (original dtype, bits)."""
+    if getattr(model, "_tieroffload", None) is not None:
+        close(model)
+    for table, name, t, data in saved:
+        table[name] = t
+        if isinstance(t, nn.Parameter):
+            t.data = data
+
+
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: Any = None,
+               collate_fn: Any = None, config: dict[str, Any] | str | os.PathLike | None = None,
+               mesh_param: Any = None, config_params: Any = None, *, strict: bool = False
                ) -> tuple[Engine, Any, Any, Schedule | None]:
-    """``deepspeed.initialize`` for one process: ``(engine, optimizer, dataloader,
-    lr_scheduler)`` from a whole DeepSpeed config (a dict or its JSON file). ``model`` is cast to
-    the config's precision and offloaded by its ``zero_optimization`` section; the optimizer is
-    a paged one over ``model_parameters`` (param groups; default all); the dataloader (with
-    ``training_data``) yields micro-batches in DeepSpeed's order. Keys nothing uses are logged as
-    a warning; ``strict=True`` refuses them. See docs/integrations.md."""
-    config = load(config)
+    """``deepspeed.initialize`` for one process, with its keywords: ``(engine, optimizer,
+    dataloader, lr_scheduler)`` from a whole DeepSpeed config (``config``, ``config_params`` or
+    ``args.deepspeed_config``: a dict or its JSON file). ``model`` is cast to the config's
+    precision and offloaded by its ``zero_optimization`` section; the optimizer is a paged one
+    over ``model_parameters`` (param groups; default all); the dataloader (with
+    ``training_data``) yields micro-batches in DeepSpeed's order. The whole config is checked
+    before the model is touched, and a failure after that puts the model back as it was. Keys
+    nothing uses are logged as a warning; ``strict=True`` refuses them. See
+    docs/integrations.md."""
+    _refuse_clients(optimizer, lr_scheduler, mpu, mesh_param)
+    config = load(_config_of(args, config, config_params))
     if world_size() > 1:
         raise ValueError(f"tieroffload.initialize runs one process, not {world_size()} ranks: "
                          "use deepspeed.initialize, or FSDP2 with tieroffload "
@@ -207,6 +318,17 @@ def initialize(model: nn.Module, config: dict[str, Any] | str | os.PathLike,
     if plan.unknown and strict:
         raise ValueError(f"DeepSpeed config key {plan.unknown[0]} is not used by "
                          "tieroffload.initialize (strict=True): remove it, or pass strict=False")
+    if getattr(model, "_tieroffload", None) is not None:
+        raise ValueError("tieroffload.initialize: the model is offloaded already; pass it "
+                         "before tieroffload.offload (initialize offloads it by the config)")
+    policy = _policy(plan)
+    params = None if model_parameters is None else list(model_parameters)
+    loader = None
+    if training_data is not None:
+        sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=1, rank=0)
+        loader = torch.utils.data.DataLoader(training_data, batch_size=plan.micro_batch,
+                                             sampler=sampler, collate_fn=collate_fn,
+                                             drop_last=plan.drop_last)
     if plan.unknown:
         log.warning("DeepSpeed settings tieroffload.initialize does not use: %s",
                     ", ".join(plan.unknown))
@@ -215,30 +337,14 @@ def initialize(model: nn.Module, config: dict[str, Any] | str | os.PathLike,
                  ", ".join(plan.decided))
     for note in notes:
         log.info("%s", note)
-    if getattr(model, "_tieroffload", None) is not None:
-        raise ValueError("tieroffload.initialize: the model is offloaded already; pass it "
-                         "before tieroffload.offload (initialize offloads it by the config)")
-    if plan.dtype != torch.float32:
-        model.to(plan.dtype)
-    offload(model, _policy(plan))
-    opt = None
-    if plan.opt_cls is not None:
-        scale: Any = None if plan.dtype != torch.float16 else (
-            plan.loss_scale if isinstance(plan.loss_scale, float) else "dynamic")
-        opt = paged_optimizer(model, plan.opt_cls, model_parameters, loss_scale=scale,
-                              **plan.opt_kwargs)
-        if isinstance(plan.loss_scale, dict):
-            opt.scaler = DeepSpeedLossScale(**plan.loss_scale)
-    schedule = None
-    if plan.schedule is not None:
-        if opt is None:
-            raise ValueError("DeepSpeed scheduler needs an optimizer section in the config")
-        schedule = make_schedule(opt, *plan.schedule)
-    monitor = Monitor.from_deepspeed(config, model, opt) if plan.monitor else None
-    loader = None
-    if training_data is not None:
-        sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=1, rank=0)
-        loader = torch.utils.data.DataLoader(training_data, batch_size=plan.micro_batch,
-                                             sampler=sampler, collate_fn=collate_fn,
-                                             drop_last=plan.drop_last)
+    # a cast is lossy: its original tensors (references, not copies) are kept, to put back if
+    # anything below fails; close() alone restores an uncast model
+    saved = [] if plan.dtype == torch.float32 else [
+        (table, name, t, t.data) for m in model.modules()
+        for table in (m._parameters, m._buffers) for name, t in table.items() if t is not None]
+    try:
+        opt, schedule, monitor = _touch(model, plan, policy, config, params)
+    except BaseException:
+        _undo(model, saved)
+        raise
     return Engine(model, plan, opt, schedule, monitor), opt, loader, schedule
