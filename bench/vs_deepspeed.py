@@ -11,7 +11,10 @@ size.
 DeepSpeed runs where ``deepspeed`` imports in ``--deepspeed-python`` (default: this Python),
 on its CPU accelerator with gloo in one process: ZeRO-3, both offloads on NVMe, DeepSpeed's
 CPU Adam, and the settings ``deepspeed_config`` below lists (those DeepSpeed needs changed
-from its defaults to run at all here). Its
+from its defaults to run at all here). The model is partitioned by ``deepspeed.zero.Init``
+with the config before ``deepspeed.initialize``: left to ``initialize``, DeepSpeed 0.19.8 swaps
+fp32 parameters through bf16 buffers on a CPU without mkldnn fp16 and stops with "expected m1
+and m2 to have the same dtype" (see ``run_deepspeed``). Its
 ``async_io`` op needs libaio's headers and builds on first use (minutes). tieroffload runs
 with ``Policy(params="nvme", optimizer="nvme", grads="nvme")`` under ``--budget``.
 """
@@ -95,9 +98,16 @@ def run_deepspeed(args, model, batches) -> tuple[list[float], list[float]]:
         os.environ.setdefault(k, v)
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=0, world_size=1)
-    largest = max(p.numel() for p in model.parameters())
+    config = deepspeed_config(args, max(p.numel() for p in model.parameters()))
+    # Partition first, in the config's precision (fp32 here). Left to deepspeed.initialize, the
+    # model is partitioned with ``dtype=`` its fp32 parameters, and DeepSpeed 0.19.8's
+    # ``_set_dtype`` reads that as ``(dtype or fp16) if accelerator.is_fp16_supported() else
+    # bf16``: on a CPU without mkldnn fp16 the NVMe swap buffers are bf16 under fp32 weights and
+    # forward stops with "expected m1 and m2 to have the same dtype, but got: float !=
+    # c10::BFloat16". (``"bf16": {"enabled": true}`` also runs, but in another precision.)
+    deepspeed.zero.Init(module=model, config_dict_or_path=config)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=deepspeed_config(args, largest))
+                                      config=config)
     times, losses = [], []
     for x, y in batches:
         t0 = time.perf_counter()

@@ -22,6 +22,7 @@ TINY = ["--layers", "2", "--d", "64", "--vocab", "128", "--seq", "16", "--batch"
     ("gpu_step.py", TINY + ["--device", "cpu", "--steps", "1"], "nvme: step"),
     ("io_beside_compute.py", ["--gib", "0.0625", "--rounds", "1", "--adamw-params", "1048576"],
      "adamw: alone"),
+    ("vs_deepspeed_curves.py", ["--steps", "2", "--size", "1x64", "--vocab", "128"], "| 2 | "),
 ])
 def test_bench_script_runs_at_a_tiny_size(script, args, says, tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--dir", str(tmp_path),
