@@ -6,12 +6,13 @@ both learning-rate curves.
     python bench/vs_deepspeed_curves.py --dir DIR --deepspeed-python DSVENV/bin/python \\
         --steps 20 --png curves.png --json curves.json
 
-The config is ``ds_config`` of ``examples/deepspeed_config.py`` (ZeRO-3, parameters and
-optimizer state on NVMe, CPU activation checkpointing, WarmupLR, bf16, accumulation 2,
-clipping 1.0), written once as JSON and read by both, unchanged: DeepSpeed 0.19.8 runs it on
-its CPU accelerator as it is (with bf16 on, the fp32/bf16 mix-up that ``vs_deepspeed.py`` works
-around cannot arise). Only ``--max-live`` changes it, for both: the example's
-``stage3_max_live_parameters`` 5e5 is below one layer of a larger GPT, which tieroffload
+The config is ``article_config`` of ``tieroffload/testing/deepspeed.py``, the one
+``examples/deepspeed_config.py`` runs (ZeRO-3, parameters and optimizer state on NVMe, CPU
+activation checkpointing, WarmupLR, bf16, accumulation 2, clipping 1.0), written once as JSON
+and read by both, unchanged: DeepSpeed 0.19.8 runs it on its CPU accelerator as it is (with bf16
+on, the fp32/bf16 mix-up that ``vs_deepspeed.py`` works around cannot arise). Only
+``--max-live`` changes it, for both: the example's ``stage3_max_live_parameters`` 5e5 is below
+one layer of a larger GPT, which tieroffload
 refuses as a budget (DeepSpeed fetches the module regardless).
 
 Each contender runs in a fresh process: tieroffload in this Python, DeepSpeed in
@@ -170,12 +171,12 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    example = load_file("deepspeed_config_example", ROOT / "examples" / "deepspeed_config.py")
+    example = load_file("deepspeed_article", ROOT / "tieroffload" / "testing" / "deepspeed.py")
     scratch = tempfile.mkdtemp(dir=args.dir, prefix="vs-curves-")
     results: dict[str, dict] = {}
     try:
         nvme = os.path.join(scratch, "nvme")
-        config = example.ds_config(nvme)
+        config = example.article_config(nvme)
         changed = []
         if args.max_live is not None:  # for both: the example's 5e5 is below one layer's size
             config["zero_optimization"]["stage3_max_live_parameters"] = args.max_live
@@ -183,7 +184,7 @@ def main() -> None:
         config_path = os.path.join(scratch, "ds_config.json")
         with open(config_path, "w") as f:
             json.dump(config, f, indent=1)
-        print("the config of examples/deepspeed_config.py, changed: "
+        print("the example's config (article_config), changed: "
               + ("; ".join(changed) or "nothing"))
         ds = args.deepspeed_python or sys.executable
         contenders = [("tieroffload", sys.executable)]
