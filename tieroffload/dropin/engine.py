@@ -224,11 +224,10 @@ def initialize(model: nn.Module, config: dict[str, Any] | str | os.PathLike,
     opt = None
     if plan.opt_cls is not None:
         scale: Any = None if plan.dtype != torch.float16 else (
-            plan.loss_scale if isinstance(plan.loss_scale, float) else "dynamic")
+            plan.loss_scale if isinstance(plan.loss_scale, float)
+            else DeepSpeedLossScale(**plan.loss_scale))
         opt = paged_optimizer(model, plan.opt_cls, model_parameters, loss_scale=scale,
                               **plan.opt_kwargs)
-        if isinstance(plan.loss_scale, dict):
-            opt.scaler = DeepSpeedLossScale(**plan.loss_scale)
     schedule = None
     if plan.schedule is not None:
         if opt is None:
