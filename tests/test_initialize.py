@@ -359,6 +359,98 @@ def test_an_fp16_overflow_skips_the_step_and_the_schedule_and_halves_the_scale()
     tieroffload.close(engine.module)
 
 
+def fp16_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                               torch.nn.Linear(256, 10)).half()
+
+
+def fp16_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 64, generator=g).half(), torch.randint(0, 10, (8,), generator=g)
+
+
+@pytest.mark.parametrize("clip", [1.0, 1e9])
+def test_fp16_clipping_is_deepspeed_s_over_the_unscaled_gradients_in_fp32(clip):
+    """fp16 at the dynamic scale 2**16 with gradient_clipping: DeepSpeed unscales the fp16
+    gradients into fp32, takes their norm there, clips and steps the fp32 masters; a
+    plain-PyTorch loop doing that by hand gives the same losses, norms and weights, bit for
+    bit (the scaled gradients' norm is past fp16's range: no step may see zero gradients)."""
+    cfg = {"train_micro_batch_size_per_gpu": 8, "fp16": {"enabled": True},
+           "gradient_clipping": clip,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
+    engine, opt, *_ = tieroffload.initialize(model=fp16_mlp(), config=cfg)
+    ref = fp16_mlp()
+    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    opt_ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.0, fused=True)
+    scale = 2.0**16
+    x, y = fp16_batch(0)
+    for step in range(5):
+        loss_ref = F.cross_entropy(ref(x).float(), y)
+        (loss_ref * scale).backward()
+        for q, p in zip(masters, ref.parameters()):
+            q.grad = p.grad.float().mul_(1.0 / scale)
+            p.grad = None
+        norm_ref = torch.nn.utils.clip_grad_norm_(masters, clip)
+        opt_ref.step()
+        with torch.no_grad():
+            for q, p in zip(masters, ref.parameters()):
+                p.copy_(q)
+                q.grad = None
+        loss = F.cross_entropy(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+        assert loss.item() == loss_ref.item(), step
+        assert engine.get_global_grad_norm() == norm_ref.item(), step
+        # the first scaled gradients' norm is past fp16's range
+        assert step or (norm_ref * scale > 65504 and norm_ref > 1)
+    assert engine.skipped_steps == 0 and opt.loss_scale == scale
+    assert loss.item() < 0.1  # it trained
+    sd = engine.module.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    tieroffload.close(engine.module)
+
+
+def test_the_fp16_loss_scale_is_the_optimizer_s_one_scaler_and_resumes_exactly(tmp_path):
+    """The DeepSpeed loss scale is the one object the optimizer steps and its state dicts
+    and checkpoints save: a checkpoint resumes its scale and counters (window, hysteresis),
+    and the run goes on as if uninterrupted, bit for bit. A state dict saved before the
+    counters were (a plain LossScale's) still loads: its scale, the counters afresh."""
+    cfg = {"train_micro_batch_size_per_gpu": 8,
+           "fp16": {"enabled": True, "loss_scale_window": 2, "hysteresis": 2},
+           "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}}
+
+    def step(engine, i):
+        x, y = fp16_batch(i)
+        loss = F.cross_entropy(engine(x).float(), y) * (1e4 if i == 3 else 1)  # overflows
+        engine.backward(loss)
+        engine.step()
+        return loss.item(), engine.optimizer.loss_scale
+
+    a, oa, *_ = tieroffload.initialize(model=fp16_mlp(), config=cfg)
+    assert oa.scaler is oa.states.scaler and isinstance(oa.scaler, DeepSpeedLossScale)
+    for i in range(5):
+        step(a, i)
+    assert oa.loss_scale != 2.0**16 and oa.scaler.left != oa.scaler.hysteresis
+    a.save_checkpoint(tmp_path / "ckpt")
+    b, ob, *_ = tieroffload.initialize(model=fp16_mlp(), config=cfg)
+    b.load_checkpoint(tmp_path / "ckpt")
+    assert ob.scaler.state_dict() == oa.scaler.state_dict()
+    assert [step(a, i) for i in range(5, 12)] == [step(b, i) for i in range(5, 12)]
+    sb = b.module.state_dict()
+    for k, v in a.module.state_dict().items():
+        assert torch.equal(sb[k], v), k
+    sd = ob.state_dict()
+    sd["loss_scale"] = tieroffload.optim.LossScale(1024.0).state_dict()
+    ob.load_state_dict(sd)
+    assert ob.scaler is ob.states.scaler and ob.loss_scale == 1024.0
+    assert (ob.scaler.iteration, ob.scaler.last_overflow, ob.scaler.left,
+            ob.scaler.interval) == (0, -1, 2, 2)
+    for e in (a, b):
+        tieroffload.close(e.module)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_each_zero_stage_keeps_parameters_where_compute_runs_unless_stage_3_pages_them(
         stage, tmp_path):

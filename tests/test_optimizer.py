@@ -1183,6 +1183,57 @@ def test_weights_written_after_the_optimizer_is_built_are_stepped(how, config, t
     tieroffload.close(model)
 
 
+@pytest.mark.parametrize("how", ["method", "torch"])
+@pytest.mark.parametrize("config", ["cpu-cpu", "nvme-nvme-grads"])
+def test_fp16_clipping_takes_the_norm_of_the_unscaled_gradients_in_fp32(how, config, tmp_path):
+    """Under the dynamic loss scale (2**16) the scaled gradients' norm is past fp16's range:
+    the norm is DeepSpeed's, over the unscaled gradients in fp32, and the clip multiplies
+    their fp32 copies, as a hand-written fp32-master loop does, bit for bit; and an overflow
+    skips the step and halves the scale instead of clipping to zero gradients."""
+    torch.manual_seed(0)
+    ref = TinyGPT().half()
+    model = tieroffload.offload(copy.deepcopy(ref), policy(config, tmp_path))
+    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    opt_ref = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2, loss_scale="dynamic")
+    scale, max_norm = opt.loss_scale, 0.5
+    clip = (opt.clip_grad_norm_ if how == "method"
+            else lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m))
+    for step in range(4):
+        x = batch(step, 0)
+        loss_ref = ref(x).float().square().mean() * 10
+        (loss_ref * scale).backward()
+        for q, p in zip(masters, ref.parameters()):
+            q.grad = p.grad.float().mul_(1.0 / scale)  # unscaled, in fp32
+        norm_ref = torch.nn.utils.clip_grad_norm_(masters, max_norm)
+        opt_ref.step()
+        with torch.no_grad():
+            for q, p in zip(masters, ref.parameters()):
+                p.copy_(q)
+                p.grad = q.grad = None
+        loss = model(x).float().square().mean() * 10
+        opt.scale_loss(loss).backward()
+        norm = clip(max_norm)
+        opt.step()
+        opt.zero_grad()
+        assert loss.item() == loss_ref.item(), step
+        assert norm.dtype == torch.float32 and torch.equal(norm, norm_ref), (step, norm)
+        assert norm_ref * scale > 65504 and norm_ref > max_norm  # past fp16, and clipped
+    with tieroffload.materialize(model):
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+        before = [p.detach().clone() for p in model.parameters()]
+    opt.scale_loss(model(batch(9, 0)).float().square().mean() * float("inf")).backward()
+    assert not torch.isfinite(clip(max_norm))  # an overflow: the step is skipped
+    opt.step()
+    opt.zero_grad()
+    assert opt.skipped_steps == 1 and opt.loss_scale == scale / 2
+    with tieroffload.materialize(model):
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.close()
+    tieroffload.close(model)
+
+
 @pytest.mark.parametrize("config", ["cpu-cpu", "nvme-nvme-grads"])
 def test_fp16_overflow_skips_the_step(config, tmp_path):
     torch.manual_seed(0)

@@ -36,25 +36,28 @@ def plain_tensors() -> contextlib.AbstractContextManager:
 NO_DATA_FUNCTIONS = frozenset({torch._has_compatible_shallow_copy_type})
 
 
-def grad_norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+def grad_norms(grads: list[torch.Tensor], norm_type: float,
+               dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Each tensor's ``norm_type`` norm, computed as ``torch.nn.utils.get_total_norm`` does
     (``_foreach_norm`` where foreach is supported), so a total taken from them is bit-equal.
-    The tensors must share one device and dtype."""
+    The tensors must share one device and dtype; ``dtype``: computed in it (as the tensors
+    cast to it would be), not theirs."""
     if not grads:
         return []
     device = grads[0].device
     if device.type in ("cpu", "cuda") and all(type(g) is torch.Tensor for g in grads):
-        return list(torch._foreach_norm(grads, norm_type))
-    return [torch.linalg.vector_norm(g, norm_type) for g in grads]
+        return list(torch._foreach_norm(grads, norm_type, dtype=dtype))
+    return [torch.linalg.vector_norm(g, norm_type, dtype=dtype) for g in grads]
 
 
 Norms = dict[int, tuple[torch.Tensor, torch.device, torch.dtype]]
 
 
 def add_grad_norms(params: list[torch.Tensor], norm_type: float, out: Norms,
-                   clips: list[torch.Tensor]) -> None:
+                   clips: list[torch.Tensor], dtype: torch.dtype | None = None) -> None:
     """Adds to ``out`` the norm of each parameter's gradient, times ``clips`` not yet
-    applied (they are applied to ``p.grad``: a copy brought in, not written back)."""
+    applied (they are applied to ``p.grad``: a copy brought in, not written back);
+    ``dtype``: the norms are computed in it (fp32 for fp16 gradients), not the gradients'."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in params:
         g = p.grad
@@ -63,9 +66,9 @@ def add_grad_norms(params: list[torch.Tensor], norm_type: float, out: Norms,
         for c in clips:
             g.mul_(c.to(g.device))
         groups.setdefault((g.device, g.dtype), []).append(p)
-    for (device, dtype), ps in groups.items():
-        for p, n in zip(ps, grad_norms([p.grad for p in ps], norm_type)):
-            out[id(p)] = (n, device, dtype)
+    for (device, own), ps in groups.items():
+        for p, n in zip(ps, grad_norms([p.grad for p in ps], norm_type, dtype)):
+            out[id(p)] = (n, device, own if dtype is None else dtype)
 
 
 def total_norm(params: list[torch.Tensor], norms: Norms, norm_type: float) -> torch.Tensor:

@@ -269,11 +269,10 @@ def _touch(model: nn.Module, plan: Plan, policy: Policy, config: dict[str, Any],
     opt = None
     if plan.opt_cls is not None:
         scale: Any = None if plan.dtype != torch.float16 else (
-            plan.loss_scale if isinstance(plan.loss_scale, float) else "dynamic")
+            plan.loss_scale if isinstance(plan.loss_scale, float)
+            else DeepSpeedLossScale(**plan.loss_scale))
         opt = paged_optimizer(model, plan.opt_cls, params, loss_scale=scale,
                               **plan.opt_kwargs)
-        if isinstance(plan.loss_scale, dict):
-            opt.scaler = DeepSpeedLossScale(**plan.loss_scale)
     schedule = None if plan.schedule is None else make_schedule(opt, *plan.schedule)
     monitor = Monitor.from_deepspeed(config, model, opt) if plan.monitor else None
     return opt, schedule, monitor

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..optim import LossScale
 
 
@@ -11,7 +13,14 @@ class DeepSpeedLossScale(LossScale):
     """An overflow skips the step; the scale halves (not below ``min_scale``) once
     ``hysteresis`` overflows have used up the allowance, which comes back when the scale
     doubles (or after any good step, with ``consecutive``). The scale doubles after ``window``
-    good steps since the last overflow. An overflow at ``min_scale`` raises, as in DeepSpeed."""
+    good steps since the last overflow. An overflow at ``min_scale`` raises, as in DeepSpeed.
+    Its state dict holds its settings and counters (``iteration``, ``last_overflow``,
+    ``left``), so a checkpoint resumes it exactly."""
+
+    # What a plain LossScale's state dict lacks: checkpoints saved before initialize's
+    # optimizer saved this scale hold one (see load_state_dict).
+    optional = frozenset({"min_scale", "hysteresis", "consecutive", "left", "iteration",
+                          "last_overflow"})
 
     def __init__(self, scale: float, window: int, min_scale: float, hysteresis: int,
                  consecutive: bool) -> None:
@@ -45,3 +54,11 @@ class DeepSpeedLossScale(LossScale):
                     self.left = self.hysteresis
                 self.scale *= 2
         self.iteration += 1
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """A state dict without this scale's fields (a plain LossScale's, from an older
+        checkpoint) keeps this one's settings and starts its counters afresh, as built."""
+        if not self.optional <= d.keys():
+            d = {"left": self.hysteresis, "iteration": 0, "last_overflow": -1,
+                 **{k: v for k, v in d.items() if k not in ("interval", "dynamic")}}
+        super().load_state_dict(d)

@@ -159,6 +159,15 @@ def has_paged_grads(params: list[torch.Tensor]) -> bool:
     return bool(_paged(params))
 
 
+def loss_scaled_owner(params: list[torch.Tensor]) -> Any:
+    """The paged optimizer with loss scaling (fp16) that steps every one of ``params``, or
+    None: their gradients are scaled, and its clip takes the norm over them unscaled."""
+    if not params:
+        return None
+    return next((o for s in states() for o in list(s.optimizers)
+                 if getattr(o, "scaler", None) is not None and o.owns(params)), None)
+
+
 def clip_paged(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                error_if_nonfinite: bool = False) -> torch.Tensor:
     """``clip_grad_norm_`` over ``params``, some of whose gradients are paged to NVMe: through
@@ -187,15 +196,46 @@ Stored = list[tuple[Any, list[Unit], list[torch.Tensor]]]
 
 
 def clip_norm(params: list[torch.Tensor], max_norm: float, norm_type: float,
-              error_if_nonfinite: bool, stored: Stored, earlier: list[torch.Tensor] | None = None,
-              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+              error_if_nonfinite: bool, stored: Stored, earlier: list[torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The norm and clip of ``clip_grad_norm_`` over ``params`` (torch's total, bit for bit),
     shared by plain and paged optimizers: the gradients of each ``stored`` group with a pager
     come in for their norms (times ``earlier`` coefficients not applied yet) and go back; the
-    rest are in ``p.grad`` and are clipped now. ``scale``: the gradients are scaled by it (a
-    power of two), the total is not. Returns the total, the coefficient and whether some
-    stored gradient is left for the caller to clip later (by the coefficient)."""
+    rest are in ``p.grad`` and are clipped now. Returns the total, the coefficient and whether
+    some stored gradient is left for the caller to clip later (by the coefficient)."""
     norm_type = float(norm_type)
+    norms, later = _norms(params, norm_type, stored, earlier or [], None)
+    total = total_norm(params, norms, norm_type)
+    present = [p for p in params if id(p) in norms]
+    coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
+    now = [p for p in params if id(p) not in later]
+    for p in now:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device))
+    return total, coef, any(id(p) in later for p in present)
+
+
+def unscaled_norm(params: list[torch.Tensor], norm_type: float, stored: Stored, scale: float,
+                  earlier: list[tuple[frozenset[int], torch.Tensor]]) -> torch.Tensor:
+    """The total norm of the gradients of ``params`` (``stored`` as in ``clip_norm``), which
+    are scaled by ``scale`` (fp16 loss scaling, a power of two), over the unscaled gradients
+    and in fp32, as torch's over fp32 copies divided by ``scale`` would be (bit for bit: a
+    power of two divides exactly); inf or nan where a scaled gradient overflowed. Clips
+    nothing: ``earlier`` holds the coefficients (with the ids of the parameters they clip) not
+    applied yet, which multiply those parameters' norms."""
+    norm_type = float(norm_type)
+    norms, _ = _norms(params, norm_type, stored, [], torch.float32)
+    for ids, c in earlier:
+        for i in ids & norms.keys():
+            n, device, dtype = norms[i]
+            norms[i] = (n * c.to(n.device), device, dtype)
+    return total_norm(params, norms, norm_type) / scale
+
+
+def _norms(params: list[torch.Tensor], norm_type: float, stored: Stored,
+           earlier: list[torch.Tensor], dtype: torch.dtype | None) -> tuple[Norms, set[int]]:
+    """The norms of the gradients of ``params`` (see ``clip_norm``; in ``dtype`` unless None),
+    and the ids of those a pager holds."""
     norms: Norms = {}
     seen: set[int] = set()
     later: set[int] = set()
@@ -203,24 +243,15 @@ def clip_norm(params: list[torch.Tensor], max_norm: float, norm_type: float,
         if pager is not None:
             pager.bring_in(units)
         try:
-            add_grad_norms(ps, norm_type, norms, (earlier or []) if pager is not None else [])
+            add_grad_norms(ps, norm_type, norms, earlier if pager is not None else [], dtype)
         finally:
             if pager is not None:
                 pager.put_back(units)
         seen.update(id(p) for p in ps)
         if pager is not None:
             later.update(id(p) for p in ps)
-    add_grad_norms([p for p in params if id(p) not in seen], norm_type, norms, [])
-    total = total_norm(params, norms, norm_type)
-    present = [p for p in params if id(p) in norms]
-    if present and scale is not None:  # the gradients are scaled (by a power of two)
-        total = total / scale
-    coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
-    now = [p for p in params if id(p) not in later]
-    for p in now:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.device))
-    return total, coef, any(id(p) in later for p in present)
+    add_grad_norms([p for p in params if id(p) not in seen], norm_type, norms, [], dtype)
+    return norms, later
 
 
 def _step_pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -1,7 +1,8 @@
 """``torch.nn.utils.clip_grad_norm_`` over offloaded parameters whose gradients are paged
 (``grads="nvme"``, or ``"cpu"`` with CUDA, where ``p.grad`` is None): they are clipped where
 they are stored (see ``hooks.steps.clip_paged``), so code that calls torch's function gets the
-true norm.
+true norm; so do parameters of a paged optimizer with loss scaling (fp16), whose gradients
+are scaled: the norm is over them unscaled, in fp32 (see ``PagedOptimizer.clip_grad_norm_``).
 ``clip_grad_value_`` cannot reach them, nor can ``clip_grads_with_norm_`` after
 ``get_total_norm`` (which sees no gradient there): both say so. After a backward in which
 ``overlap="backward"`` stepped them, the gradients are used up: all three say so."""
@@ -14,7 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from ..hooks import patches
-from ..hooks.steps import clip_paged, grads_used_in_backward, has_paged_grads
+from ..hooks.steps import clip_paged, grads_used_in_backward, has_paged_grads, loss_scaled_owner
 
 _torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
 _torch_clip_grad_value_ = torch.nn.utils.clip_grad_value_
@@ -32,6 +33,9 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     params = _listed(parameters)
     _refuse_used(params, "clip_grad_norm_")
     if not has_paged_grads(params):
+        if (opt := loss_scaled_owner(params)) is not None:  # torch's would take a norm
+            return opt.clip_params(params, max_norm, norm_type,  # of fp16 scaled gradients
+                                   error_if_nonfinite)
         return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     return clip_paged(params, max_norm, norm_type, error_if_nonfinite)
 

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from ..hooks.state import OffloadState
 
 Grads = list[torch.Tensor | None] | None  # a chunk's gradients (None: in the gradient pager)
+# clip_grad_norm_ coefficients under loss scaling, each with the ids of the parameters it
+# clips: they multiply the fp32 gradients once unscaled (see PagedOptimizer._clip_unscaled).
+Fp32Clips = list[tuple[frozenset[int], torch.Tensor]]
 
 
 
@@ -38,6 +41,7 @@ class Deferred:
         self.grads: dict[int, Grads] = {}  # chunk -> its gradients
         self.scale: float | None = None
         self.clips: list[torch.Tensor] = []
+        self.fp32_clips: Fp32Clips = []
         self.fill: frozenset[int] = frozenset()
         self.resume = False
 
@@ -45,12 +49,12 @@ class Deferred:
         return bool(self.grads)
 
     def keep(self, scale: float | None, clips: list[torch.Tensor],
-             fill: frozenset[int]) -> None:
-        self.scale, self.clips, self.fill = scale, clips, fill
+             fill: frozenset[int], fp32_clips: Fp32Clips) -> None:
+        self.scale, self.clips, self.fill, self.fp32_clips = scale, clips, fill, fp32_clips
 
     def clear(self) -> None:
         self.grads.clear()
-        self.clips, self.fill = [], frozenset()
+        self.clips, self.fill, self.fp32_clips = [], frozenset(), []
         self.resume = False
 
 
@@ -74,6 +78,7 @@ class Updater:
         self.backward: InBackward | None = None  # weak, set once built (it uses this one)
         self.settling = False
         self.clips: list[torch.Tensor] = []  # clip_grad_norm_ factors of paged gradients
+        self.fp32_clips: Fp32Clips = []  # and of every gradient, under loss scaling
         # zero_grad(set_to_none=False): plain PyTorch keeps a zero p.grad for every parameter
         # that had one, and steps it (weight decay, moments) in a step where it gets no
         # gradient; here p.grad is None after a step, so those are filled with zeros.
@@ -103,7 +108,8 @@ class Updater:
             with torch.inference_mode(False), torch.no_grad():
                 d = self.deferred
                 self.run(todo, d.scale, d.clips, d.fill,
-                         record=False)  # recorded when step() took the gradients
+                         record=False,  # recorded when step() took the gradients
+                         fp32_clips=d.fp32_clips)
         finally:
             self.settling = False
         if not pending:
@@ -121,7 +127,8 @@ class Updater:
         for shard in self.offload.shards:
             shard.clear_grad(set_to_none=True)  # taken with the locals' gradients
         clips, self.clips = self.clips, []
-        self.deferred.keep(scale, clips, fill)
+        fp32_clips, self.fp32_clips = self.fp32_clips, []
+        self.deferred.keep(scale, clips, fill, fp32_clips)
         # A view taken outside the hooks (``w = p.data``) reads and writes the unit's memory
         # itself, unseen: its chunk is updated now, as a plain step shows through the view.
         self.settle(self.offload.viewed())
@@ -136,8 +143,9 @@ class Updater:
                 self.offload.grads.start_bring_in(first.units)
 
     def run(self, todo: list[int], scale: float | None, clips: list[torch.Tensor],
-            fill: frozenset[int], record: bool) -> None:
-        """Updates chunks ``todo`` in order (gradients times ``clips``), pipelined: chunk i+1's
+            fill: frozenset[int], record: bool, fp32_clips: Fp32Clips | None = None) -> None:
+        """Updates chunks ``todo`` in order (gradients times ``clips``, and ``fp32_clips``
+        once unscaled), pipelined: chunk i+1's
         state, gradients and parameters come in while chunk i is updated, and chunk i-1's state
         goes out. After the last, the next deferred chunk's state starts coming in."""
         chunks = self.layout.chunks
@@ -145,7 +153,7 @@ class Updater:
         done = 0
         try:
             for k in range(len(todo)):
-                self._run_chunk(todo, k, sched, scale, clips, fill, record)
+                self._run_chunk(todo, k, sched, scale, clips, fill, record, fp32_clips or [])
                 done += 1  # updated: a failure from here on must not update it again
                 self.consume_grads(chunks[todo[k]])
                 self.pager.page_out(chunks[todo[k]])
@@ -158,7 +166,7 @@ class Updater:
                 if i not in pending:
                     pending[i] = self.take_grads(chunks[i])
                     self.deferred.resume = True
-            self.deferred.keep(scale, clips, fill)
+            self.deferred.keep(scale, clips, fill, fp32_clips or [])
             raise
         # The last stores go on beside what follows the step: the next forward's acquires
         # free them (see settle), where a failed one raises from a call that a retry redoes
@@ -166,7 +174,8 @@ class Updater:
         # here failed a step() already complete, which a retry would apply again.
 
     def _run_chunk(self, todo: list[int], k: int, sched: Any, scale: float | None,
-                   clips: list[torch.Tensor], fill: frozenset[int], record: bool) -> None:
+                   clips: list[torch.Tensor], fill: frozenset[int], record: bool,
+                   fp32_clips: Fp32Clips) -> None:
         """Updates chunk ``todo[k]`` (see ``run``): its state, gradients and parameters in,
         the next chunk's on their way."""
         chunks = self.layout.chunks
@@ -201,7 +210,7 @@ class Updater:
                 self.host.grads_from_ram(chunk, clips)
             elif grads_pager is not None:
                 grads_pager.bring_in(chunk.units)
-            self.step_chunk(chunk, scale, clips, fill, record)
+            self.step_chunk(chunk, scale, clips, fill, record, fp32_clips)
             # Deferred until updated: a deferred update that fails (a read of its gradients,
             # in the forward that settles it) stays deferred, and is not taken for a step that
             # failed part way (see run), which would skip the caller's next step().
@@ -214,9 +223,11 @@ class Updater:
                 sched.release(chunk.units)
 
     def step_chunk(self, chunk: Chunk, scale: float | None, clips: list[torch.Tensor],
-                   fill: frozenset[int], record: bool) -> None:
+                   fill: frozenset[int], record: bool, fp32_clips: Fp32Clips = ()) -> None:
         """Updates the chunk with the gradients it has (``p.grad``, or its masters' host
-        copies); those in ``fill`` that have none get zeros; ``record``: note which had one."""
+        copies); those in ``fill`` that have none get zeros; ``record``: note which had one.
+        ``scale``: they are divided by it, then multiplied by ``fp32_clips`` (in fp32 for
+        fp16 parameters: DeepSpeed's unscale and clip)."""
         for p in chunk.params:
             for c in clips:  # clip_grad_norm_ of gradients that were on NVMe
                 if p.grad is not None:
@@ -236,6 +247,9 @@ class Updater:
                 q.grad = g
             if g is not None and scale is not None:
                 g.mul_(1.0 / scale)
+                for ids, c in fp32_clips:
+                    if id(p) in ids:
+                        g.mul_(c.to(g.device))
         chunk.host_grads, chunk.grads_event = None, None
         if not chunk.masters:
             chunk.inner.step()  # offload()'s step hooks bring the chunk's parameters in and out

@@ -126,7 +126,10 @@ def check_options(overlap: Any, accumulation_steps: Any, scaler: LossScale | Non
 
 
 def make_scaler(loss_scale: Any, fp16: bool) -> LossScale | None:
-    """The loss scale of ``loss_scale`` ("auto": dynamic where any parameter is fp16)."""
+    """The loss scale of ``loss_scale`` ("auto": dynamic where any parameter is fp16; a
+    ``LossScale``: itself)."""
+    if isinstance(loss_scale, LossScale):
+        return loss_scale
     if loss_scale == "auto":
         loss_scale = "dynamic" if fp16 else None
     if loss_scale not in (None, "dynamic"):

@@ -7,7 +7,10 @@ from typing import Any
 
 class LossScale:
     """Dynamic loss scaling for fp16: halves the scale and skips the step when a gradient
-    overflows, doubles it after ``interval`` good steps."""
+    overflows, doubles it after ``interval`` good steps. ``state_dict`` holds all of its
+    fields; ``optional``: those a state dict saved before they existed may lack."""
+
+    optional: frozenset[str] = frozenset()
 
     def __init__(self, scale: float = 2.0**16, interval: int = 2000, dynamic: bool = True):
         self.scale, self.interval, self.dynamic = scale, interval, dynamic

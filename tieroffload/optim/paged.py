@@ -11,7 +11,7 @@ updated, and chunk i is written back while chunk i+1 is.
 ``PagedOptimizer`` is the face over parts that each own their fields: ``layout`` (the chunks),
 ``pager`` (their state's I/O), ``host`` (fp32 masters, the host step), ``updater`` (updates,
 now or deferred), ``backward`` (steps inside backward), ``misuse`` (its checks) and ``states``
-(state dicts, and the chunk-state API checkpoints use).
+(state dicts, the chunk-state API checkpoints use, and the loss scale, ``scaler``).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..compat.tensors import clip_coefficient
 from ..core.units import Unit
 from ..hooks.registry import state_of
 from ..hooks.state import OffloadState
-from ..hooks.steps import clip_norm
+from ..hooks.steps import clip_norm, unscaled_norm
 from .deferred import Updater
 from .guards import (
     Misuse,
@@ -42,6 +43,7 @@ from .guards import (
 from .hyper import HyperCheck
 from .in_backward import BackwardSteps
 from .layout import CHUNK_BYTES, Layout, build_chunks, local_params, state_bytes
+from .loss_scale import LossScale
 from .masters import HostStep
 from .pager import StatePager
 from .states import ChunkStates
@@ -120,10 +122,13 @@ class PagedOptimizer(torch.optim.Optimizer):
     _pending = _Part("updater.deferred", "grads")
     _window_start = _Part("backward", "window_start")
     _grads_in_ram = _Part("host", "grads_in_ram")
+    # The loss scale has one owner, the state API that state dicts and checkpoints use:
+    # setting opt.scaler replaces it there.
+    scaler = _Part("states")
 
     def __init__(self, model: nn.Module, opt_cls: type[torch.optim.Optimizer],
                  params: Iterable | None, kwargs: dict[str, Any],
-                 loss_scale: str | float | None = "auto", overlap: bool | str = True,
+                 loss_scale: str | float | LossScale | None = "auto", overlap: bool | str = True,
                  accumulation_steps: int = 1) -> None:
         self.offload: OffloadState = state_of(model)
         offload = self.offload
@@ -154,8 +159,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         self.layout = Layout(self.param_groups, self.chunks)
         self.host.size_buffers(self.chunks)
         fp16 = any(p.dtype == torch.float16 for c in self.chunks for p in c.params)
-        self.scaler = make_scaler(loss_scale, fp16)
-        check_options(overlap, accumulation_steps, self.scaler, offload.shards)
+        scaler = make_scaler(loss_scale, fp16)
+        check_options(overlap, accumulation_steps, scaler, offload.shards)
         # Deferred steps (see step): only where the parameters are paged, so that nothing
         # reads them between step() and the next use, which applies the update first.
         overlap = overlap if overlap == "backward" else (overlap and offload.mover is not None)
@@ -164,7 +169,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                                       overlap, accumulation_steps)
         self.updater.backward = weakref.proxy(self.backward)
         self.states = ChunkStates(opt_cls, self.defaults, self.layout, self.pager,
-                                  self.updater, self.backward, self.scaler)
+                                  self.updater, self.backward, scaler)
         try:  # a full disk fails here, not in the middle of a step
             self.pager.reserve([state_bytes(c, opt_cls, self.param_groups)
                                 for c in self.chunks])
@@ -237,6 +242,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         scale = self.scaler.scale if self.scaler is not None else None
         if scale is not None and updater.overflow():
             self.scaler.update(overflow=True)  # skip this step: its gradients are lost
+            updater.fp32_clips = []
             for chunk in self.chunks:
                 updater.consume_grads(chunk)
             return loss
@@ -250,7 +256,9 @@ class PagedOptimizer(torch.optim.Optimizer):
             updater.defer(scale)
         else:
             clips, updater.clips = updater.clips, []
-            updater.run(list(range(len(self.chunks))), scale, clips, updater.fill, record=True)
+            fp32, updater.fp32_clips = updater.fp32_clips, []
+            updater.run(list(range(len(self.chunks))), scale, clips, updater.fill, record=True,
+                        fp32_clips=fp32)
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         return loss
@@ -269,7 +277,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             updater.fill = frozenset()
         else:
             updater.fill = frozenset(updater.had_grad)
-        updater.clips = []
+        updater.clips, updater.fp32_clips = [], []
         self.backward.ready.clear()
         if self.offload.grads is not None:  # deferred updates keep the gradients they took
             self.offload.grads.clear(self.layout.units(), keep=self.deferred_units())
@@ -426,16 +434,35 @@ class PagedOptimizer(torch.optim.Optimizer):
         wanted = {id(p) for p in params}
         stored = [(pager, c.units, ps) for c in self.chunks
                   if (ps := [p for p in c.params if id(p) in wanted])]
+        if self.scaler is not None:
+            return self._clip_unscaled(params, max_norm, norm_type, error_if_nonfinite, stored)
         total, coef, later = clip_norm(params, max_norm, norm_type, error_if_nonfinite, stored,
-                                       self.updater.clips,
-                                       self.scaler.scale if self.scaler is not None else None)
+                                       self.updater.clips)
         if later:
             self.updater.clips.append(coef)
         return total
 
+    def _clip_unscaled(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
+                       error_if_nonfinite: bool, stored: list) -> torch.Tensor:
+        """``clip_params`` under loss scaling, as DeepSpeed's fp16 clip: the norm is over the
+        unscaled gradients, in fp32, and the step multiplies their fp32 copies, unscaled, by
+        the coefficient. A non-finite norm is an overflow, which ``step()`` skips: it clips
+        nothing (a coefficient of 0 would step on zero gradients instead)."""
+        total = unscaled_norm(params, norm_type, stored, self.scaler.scale,
+                              self.updater.fp32_clips)
+        coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
+        if bool(torch.isfinite(total)):  # (the host step's masters' gradients are on the host)
+            self.updater.fp32_clips.append((frozenset(id(p) for p in params),
+                                            coef.cpu() if self.host_step else coef))
+            for p in params:  # not this optimizer's: clipped now, as torch's clip does
+                if id(p) not in self._ids and p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.device))
+        return total
+
 
 def optimizer(model: nn.Module, opt_cls: type[torch.optim.Optimizer],
-              params: Iterable | None = None, *, loss_scale: str | float | None = "auto",
+              params: Iterable | None = None, *,
+              loss_scale: str | float | LossScale | None = "auto",
               overlap: bool | str = True, accumulation_steps: int = 1,
               **kwargs: Any) -> PagedOptimizer:
     """A ``torch.optim.Optimizer`` over an offloaded model whose state lives in
@@ -444,7 +471,8 @@ def optimizer(model: nn.Module, opt_cls: type[torch.optim.Optimizer],
 
     fp16 and bf16 parameters get fp32 master copies in the optimizer's tier (taken from their
     values now); the step updates the masters and writes them back rounded. ``loss_scale``:
-    "auto" (dynamic when any parameter is fp16, else none), "dynamic", a fixed number, or None;
+    "auto" (dynamic when any parameter is fp16, else none), "dynamic", a fixed number, a
+    ``LossScale`` (``tieroffload.initialize`` passes DeepSpeed's), or None;
     with scaling, backward ``opt.scale_loss(loss)``, and a step whose gradients overflow is
     skipped (``opt.skipped_steps``). ``overlap``: defer each chunk's update to the next use of
     its parameters (see ``PagedOptimizer.step``); ``"backward"`` steps each chunk during

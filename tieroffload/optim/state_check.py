@@ -200,10 +200,12 @@ def _fmt(e: Entry) -> str:
     return f"{str(e.dtype).removeprefix('torch.')}{list(e.shape or ())}"
 
 
-def check_loss_scale(own: Mapping[str, Any], saved: Any) -> None:
-    """A saved loss scale has the keys of ``own`` (``LossScale.state_dict()``), each of its
-    type, and a positive finite scale."""
-    if not isinstance(saved, dict) or set(saved) != set(own):
+def check_loss_scale(own: Mapping[str, Any], saved: Any,
+                     optional: frozenset[str] = frozenset()) -> None:
+    """A saved loss scale has the keys of ``own`` (``LossScale.state_dict()``; those in
+    ``optional`` may be missing, as in a dict saved before they were), each of its type, and
+    a positive finite scale."""
+    if not isinstance(saved, dict) or not set(own) - optional <= set(saved) <= set(own):
         raise ValueError(f"loss_scale is {saved!r:.80}, not a dict of {sorted(own)}")
     for k, v in saved.items():
         if type(v) is not type(own[k]) and not (isinstance(own[k], float)

@@ -9,7 +9,8 @@ The API (a ``ChunkStates``, documented in docs/optimizer.md):
   (``index`` as in torch's state dict; ``state`` maps names to the live tensors and values,
   the fp32 master copy under ``"master"``). Valid inside the block only.
 - ``groups()``: ``param_groups`` as torch's state dict has them (parameters as indices).
-- ``loss_scale()``: the loss scale's state dict, or None without loss scaling.
+- ``loss_scale()``: the loss scale's state dict, or None without loss scaling. The loss scale
+  (``scaler``) is the optimizer's own (``PagedOptimizer.scaler`` reads and sets this one).
 - ``check(groups, state, loss_scale, label)``: raises ValueError naming the entry unless all
   of it can be loaded (``state``: index -> name -> ``state_check.Entry``).
 - ``load(groups, state_of, loss_scale)``: replaces the hyperparameters, the loss scale (unless
@@ -86,7 +87,7 @@ class ChunkStates:
         check_state(self.opt_cls, params, groups, own,
                     lambda p: torch.float32 if id(p) in masters else p.dtype, label)
         if loss_scale is not None and self.scaler is not None:
-            check_loss_scale(self.scaler.state_dict(), loss_scale)
+            check_loss_scale(self.scaler.state_dict(), loss_scale, self.scaler.optional)
 
     def load(self, groups: list[dict[str, Any]], state_of: Callable[[int], dict | None],
              loss_scale: dict[str, Any] | None) -> None:
