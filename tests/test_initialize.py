@@ -464,3 +464,31 @@ def test_each_zero_stage_keeps_parameters_where_compute_runs_unless_stage_3_page
     assert policy.optimizer == ("nvme" if stage else compute)
     assert engine.plan.stage == stage
     tieroffload.close(engine.module)
+
+
+def test_stage3_max_live_parameters_below_a_module_is_raised_to_its_need_as_deepspeed_does(
+        tmp_path, caplog):
+    """DeepSpeed fetches a module larger than ``stage3_max_live_parameters`` anyway: the
+    budget it gives is raised to the smallest the model runs under, with a warning, and the
+    run equals one under a budget that was large enough from the start."""
+    def run(max_live: float, where: str) -> tuple[list[float], int]:
+        (tmp_path / where).mkdir()
+        config = deepspeed_article(str(tmp_path / where), lr=MAX_LR, max_live=max_live)
+        engine, *_ = tieroffload.initialize(model=gpt(), config=config)
+        losses = []
+        for step in range(2 * ACCUM):
+            x, y = token_batch(step, MICRO, SEQ, VOCAB)
+            loss = F.cross_entropy(engine(x).flatten(0, 1).float(), y.flatten())
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        budget = tieroffload.stats(engine.module)["budget"]
+        tieroffload.close(engine.module)
+        return losses, budget
+
+    with caplog.at_level(logging.WARNING, logger="tieroffload"):
+        losses, budget = run(100, "small")
+    assert "stage3_max_live_parameters gives cpu_budget=200 bytes" in caplog.text
+    assert "budget is raised to" in caplog.text and budget > 200
+    want, _ = run(budget / 2, "enough")  # 2 bytes an element
+    assert losses == want

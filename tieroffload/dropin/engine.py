@@ -9,6 +9,7 @@ schedule, ``zero_grad``, the monitor's record and the progress line. Checkpoints
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -19,6 +20,7 @@ from torch import nn
 
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..hooks import close, offload
+from ..hooks.build import BudgetTooSmall
 from ..monitor import Monitor
 from ..optim import optimizer as paged_optimizer
 from ..policy import Policy
@@ -265,7 +267,7 @@ def _touch(model: nn.Module, plan: Plan, policy: Policy, config: dict[str, Any],
     """Casts and offloads ``model`` and builds the optimizer, schedule and monitor over it."""
     if plan.dtype != torch.float32:
         model.to(plan.dtype)
-    offload(model, policy)
+    _offload(model, plan, policy)
     opt = None
     if plan.opt_cls is not None:
         scale: Any = None if plan.dtype != torch.float16 else (
@@ -276,6 +278,23 @@ def _touch(model: nn.Module, plan: Plan, policy: Policy, config: dict[str, Any],
     schedule = None if plan.schedule is None else make_schedule(opt, *plan.schedule)
     monitor = Monitor.from_deepspeed(config, model, opt) if plan.monitor else None
     return opt, schedule, monitor
+
+
+def _offload(model: nn.Module, plan: Plan, policy: Policy) -> None:
+    """Offloads ``model`` by ``policy``. A budget from ``stage3_max_live_parameters`` is a
+    soft cap, as in DeepSpeed, which fetches a module larger than it anyway: where a module
+    needs more, the budget is raised to the smallest the model runs under, with a warning."""
+    soft = not any(p.is_meta for p in model.parameters())  # a refused offload made them real
+    try:
+        offload(model, policy)
+    except BudgetTooSmall as e:
+        if e.name not in plan.policy or not soft:
+            raise
+        log.warning("DeepSpeed zero_optimization.stage3_max_live_parameters gives %s=%d bytes, "
+                    "below what a module needs at once (%s); DeepSpeed fetches such a module "
+                    "anyway, so the budget is raised to %d bytes, the most any module needs",
+                    e.name, getattr(policy, e.name), e, e.need)
+        offload(model, dataclasses.replace(policy, **{e.name: e.need}))
 
 
 def _undo(model: nn.Module, saved: list[tuple[dict[str, Any], str, Any, Any]]) -> None:

@@ -32,6 +32,15 @@ def check_param(module_name: str, name: str, p: nn.Parameter) -> None:
                         f"device {p.device}")
 
 
+class BudgetTooSmall(ValueError):
+    """The resident budget is below what a module needs at once. ``name`` is the budget's
+    field (``cpu_budget`` or ``gpu_budget``), ``need`` the largest need of any module: the
+    smallest budget the model runs under."""
+
+    def __init__(self, message: str, name: str, need: int) -> None:
+        super().__init__(message)
+        self.name, self.need = name, need
+
 
 class Layout:
     """Which parameters make which unit, and which units each module needs resident at once,
@@ -168,6 +177,7 @@ class Layout:
             window = nbytes if nbytes is not None else min(units, len(self.units)) * largest.nbytes
             budget = window + 2 * max(sum(u.nbytes for u in us + held) for us, held in sets)
         name = "gpu_budget" if self.device.type == "cuda" else "cpu_budget"
+        worst = max(sum(u.nbytes for u in us + held) for us, held in sets)
         for us, held in sets:
             need = sum(u.nbytes for u in us + held)
             if need > budget:
@@ -175,10 +185,10 @@ class Layout:
                 also = (f", with the tied {', '.join(u.name for u in held)!r} that backward "
                         "holds until its gradient is whole (model.requires_grad_(False) lifts "
                         "that for inference)") if held else ""
-                raise ValueError(
+                raise BudgetTooSmall(
                     f"{name}={budget} bytes ({format_bytes(budget)}) is smaller than module "
                     f"{mname!r}, which needs {need} bytes ({format_bytes(need)}) resident at "
-                    f"once{also}")
+                    f"once{also}", name, worst)
         return budget
 
 
