@@ -1312,14 +1312,15 @@ class SometimesB(nn.Module):
         return self.c(h + self.b(h) if use_b else h)
 
 
+@pytest.mark.parametrize("by", ["optimizer", "model"])
 @pytest.mark.parametrize("overlap", [False, True, "backward"])
 @pytest.mark.parametrize("config", ["nvme-nvme", "nvme-nvme-grads"])
-def test_zero_grad_keeping_zeros_steps_a_module_left_without_gradients(config, overlap,
+def test_zero_grad_keeping_zeros_steps_a_module_left_without_gradients(config, overlap, by,
                                                                        tmp_path):
     """After zero_grad(set_to_none=False) plain PyTorch keeps a zero p.grad for every parameter
     that had one and steps it in a step where it gets none (weight decay, the moments' decay):
-    so does the paged optimizer, whose p.grad is None after a step; set_to_none=True drops
-    that again."""
+    so does the paged optimizer, whose p.grad is None after a step, whether the optimizer's
+    zero_grad or the model's ran; set_to_none=True drops that again."""
     micro = 2
     ref, model, opt_ref, opt = adamw_pair(
         config, 0.0, overlap, tmp_path, make=SometimesB,
@@ -1330,9 +1331,9 @@ def test_zero_grad_keeping_zeros_steps_a_module_left_without_gradients(config, o
             for k in range(micro):
                 x = torch.randn(4, 72, generator=torch.Generator().manual_seed(10 * step + k))
                 (m(x, use_b).square().mean() / micro).backward()
-        for o in (opt_ref, opt):
+        for m, o in ((ref, opt_ref), (model, opt)):
             o.step()
-            o.zero_grad(set_to_none=not keep)
+            (o if by == "optimizer" else m).zero_grad(set_to_none=not keep)
         with tieroffload.materialize(model):
             for (n, a), b in zip(ref.named_parameters(), model.parameters()):
                 assert torch.equal(a, b), (step, n)

@@ -39,8 +39,9 @@ class PagedOptimizer(Protocol):
     def abandon_step(self) -> None:
         """Forgets what a failed, torn or deferred step left undone (before a load)."""
 
-    def grads_zeroed(self, ids: set[int]) -> None:
-        """A zero_grad outside this optimizer cleared the gradients of parameters ``ids``."""
+    def grads_zeroed(self, ids: set[int], set_to_none: bool | None = None) -> None:
+        """A zero_grad outside this optimizer cleared the gradients of parameters ``ids``
+        (None: forgotten, as by ``drop_stored_grads``)."""
 
     def check_write(self, u: Unit) -> None:
         """Refuses a write to ``u`` this optimizer cannot follow."""

@@ -112,7 +112,8 @@ def _install_zero_grad() -> Callable[[], None]:
     def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         torch_zero_grad(self, set_to_none)
         if not getattr(self, "_tieroffload_inner", False):  # a paged optimizer's chunk
-            drop_stored_grads(p for g in self.param_groups for p in g["params"])
+            drop_stored_grads((p for g in self.param_groups for p in g["params"]),
+                              set_to_none)
 
     torch.optim.Optimizer.zero_grad = zero_grad
 
@@ -124,18 +125,19 @@ def _install_zero_grad() -> Callable[[], None]:
 def _module_zero_grad(module: nn.Module, orig: Callable[..., None]) -> Callable[..., None]:
     def zero_grad(set_to_none: bool = True) -> None:
         orig(set_to_none)
-        drop_stored_grads(module.parameters())
+        drop_stored_grads(module.parameters(), set_to_none)
     return zero_grad
 
 
-def drop_stored_grads(params: Iterable[torch.Tensor]) -> None:
+def drop_stored_grads(params: Iterable[torch.Tensor], set_to_none: bool | None = None) -> None:
     """Forgets the paged gradients of ``params`` (``Policy.pages_grads``), which
     ``p.grad`` does not show: a plain optimizer's ``zero_grad`` cannot reach them (a paged
-    optimizer's does)."""
+    optimizer's does). ``set_to_none``: that of the ``zero_grad`` that called it, which a
+    paged optimizer follows (see ``PagedOptimizer.grads_zeroed``)."""
     ids = {id(p) for p in params}
     for s in states():
         for opt in list(s.optimizers):
-            opt.grads_zeroed(ids)
+            opt.grads_zeroed(ids, set_to_none)
         if s.grads is not None:
             units = {s.param_unit[i].id: s.param_unit[i] for i in ids if i in s.param_unit}
             # a paged optimizer's deferred updates have taken theirs (see its step)

@@ -372,11 +372,20 @@ class PagedOptimizer(torch.optim.Optimizer):
         self.backward.abandon()
         self.offload.pending_opts.discard(self)
 
-    def grads_zeroed(self, ids: set[int]) -> None:
+    def grads_zeroed(self, ids: set[int], set_to_none: bool | None = None) -> None:
         """A zero_grad() outside this optimizer (``model.zero_grad()``, another optimizer's)
-        cleared the gradients of the parameters ``ids``."""
-        if ids & self._ids:
-            self.misuse.unzeroed = False
+        cleared the gradients of the parameters ``ids``: with ``set_to_none`` False, those that
+        had one hold a zero ``p.grad`` in plain PyTorch, stepped where no gradient comes."""
+        mine = ids & self._ids
+        if not mine:
+            return
+        self.misuse.unzeroed = False
+        updater = self.updater
+        if set_to_none:
+            updater.had_grad -= mine
+            updater.fill = updater.fill - mine
+        elif set_to_none is False:
+            updater.fill = updater.fill | (updater.had_grad & mine)
 
     def check_zeroed(self) -> None:
         """Refuses a backward after a step() that let the gradients go, with no zero_grad()
