@@ -410,6 +410,18 @@ def test_replacing_an_offloaded_layer_without_wrapping_it_is_refused(tmp_path):
     tieroffload.close(model)
 
 
+def test_modules_to_save_is_refused_naming_it(tmp_path):
+    """PEFT's modules_to_save deep-copies the layers it names, which an offloaded model
+    refuses: the error says so and how to go on."""
+    peft = pytest.importorskip("peft")
+    model = offloaded(llama(), tmp_path)
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    with pytest.raises(TypeError, match=r"modules_to_save copies the modules it names: train "
+                                        r"them as part of the base"):
+        peft.get_peft_model(model, cfg)
+    tieroffload.close(model)
+
+
 def test_trainer_with_lora_on_an_offloaded_base_equals_plain(tmp_path):
     """The adapters train under the Trainer with its own (plain) AdamW, which
     trainer_optimizer returns for them; the base is never written back."""

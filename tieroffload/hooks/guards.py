@@ -47,9 +47,10 @@ def check_not_dispatched(model: nn.Module) -> None:
             "the weights, or offload the undispatched model")
 
 
-_COPY_ERROR = ("copy.deepcopy of a model under tieroffload.offload is not supported (its "
-               "pages, threads and swap file are not copied): deepcopy before offload, or "
-               "tieroffload.close(model) first")
+_COPY_ERROR = ("copy.deepcopy of a model under tieroffload.offload, or of a module in it, is "
+               "not supported (its pages, threads and swap file are not copied): deepcopy "
+               "before offload, or tieroffload.close(model) first (PEFT's modules_to_save "
+               "copies the modules it names: train them as part of the base instead)")
 
 
 def _no_data(names: list[str], props: list[str]) -> set[Any]:
