@@ -24,6 +24,9 @@ LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer 
           "activations": "activations"}
 COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green",
           "activations": "tab:purple"}
+# each memory holder keeps its colour whichever others a run has (the kinds' as above)
+HOLDER_COLORS = {**COLORS, "staging": "tab:cyan", "parked": "tab:olive", "tensors": "tab:brown",
+                 "heap_free": "tab:pink", "files": "tab:gray", "other": "lightgray"}
 
 
 def read_run(path: str | os.PathLike) -> dict[str, list[float | None]]:
@@ -72,9 +75,10 @@ def plot_dashboard(csv_path: str | os.PathLike, png_path: str | os.PathLike) -> 
     (mem, io), (wait, loss) = fig.subplots(2, 2, sharex=True)
     marker = "o" if len(steps) <= 30 else None
 
-    parts = [(label, [v / GiB for v in _col(run, f"mem_{k}")]) for k, label in MEMORY
+    parts = [(k, label, [v / GiB for v in _col(run, f"mem_{k}")]) for k, label in MEMORY
              if any(_col(run, f"mem_{k}"))]
-    mem.stackplot(steps, *[p for _, p in parts], labels=[n for n, _ in parts], alpha=0.85)
+    mem.stackplot(steps, *[p for _, _, p in parts], labels=[n for _, n, _ in parts],
+                  colors=[HOLDER_COLORS[k] for k, _, _ in parts], alpha=0.85)
     mem.plot(steps, [v / GiB for v in _col(run, "peak_rss")], "k--", label="peak RSS (step)")
     for key, style, label in (("gpu_allocated", "r-", "GPU allocated"),
                               ("gpu_reserved", "r:", "GPU reserved")):
@@ -112,7 +116,7 @@ def plot_dashboard(csv_path: str | os.PathLike, png_path: str | os.PathLike) -> 
         io.set_title("NVMe traffic per kind (bytes moved / step time, log scale)")
     else:
         io.set_ylim(bottom=0)
-    io.legend(fontsize=7, loc="lower right", ncol=3)
+    io.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside, not over
 
     shares = [[100 * s / w for s, w in zip(_col(run, f"wait_{k}_s"), wall)] for k in KINDS]
     wait.stackplot(steps, *shares, labels=[LABELS[k] for k in KINDS],
@@ -135,6 +139,7 @@ def plot_dashboard(csv_path: str | os.PathLike, png_path: str | os.PathLike) -> 
     loss.set_xlabel("step")
     for ax in (mem, io, wait, loss):
         ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
     fig.suptitle(f"tieroffload run: {os.path.basename(os.fspath(csv_path))}, "
                  f"{len(steps)} steps, median step {statistics.median(_col(run, 'wall_s')):.3f} s")
     fig.savefig(png_path, dpi=80)
