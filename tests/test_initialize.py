@@ -1,7 +1,8 @@
 """``tieroffload.initialize``: a DeepSpeed config run as DeepSpeed runs it on one process. The
 DeepSpeedExamples article's config (ZeRO-3 with parameters and optimizer on NVMe, CPU
 activation checkpointing, WarmupLR, bf16, accumulation 2, clipping 1.0) equals, bit for bit, a
-plain PyTorch loop that implements those semantics by hand, also resumed in a new process; each
+plain PyTorch loop that implements those semantics by hand (DeepSpeed's clip: the norm in fp32
+over the bf16 gradients, the fp32 masters' gradients clipped), also resumed in a new process; each
 schedule follows DeepSpeed's formula; batch sizes are checked as DeepSpeed checks them; unused
 keys are warned about, or refused with ``strict=True``."""
 
@@ -65,37 +66,40 @@ def digest(t: torch.Tensor) -> str:
 
 
 @functools.cache
-def reference(steps: int) -> tuple[list[float], list[float], dict]:
+def reference(steps: int) -> tuple[list[float], list[float], list[float], dict]:
     """The same semantics by hand: bf16 weights, fp32 masters stepped by AdamW(fused=True), each
-    micro-batch's loss divided by the accumulation steps, clipping by torch's clip_grad_norm_,
-    the warm-up lr set before each step."""
+    micro-batch's loss divided by the accumulation steps, the warm-up lr set before each step,
+    and DeepSpeed's clip (ZeRO-3, fp32 masters): the bf16 gradients go to the masters in fp32,
+    where torch's clip_grad_norm_ takes the norm (the 2-norm of each gradient in fp32, then the
+    2-norm of those) and multiplies them by min(1, 1.0 / (norm + 1e-6)). Returns the losses,
+    lrs, norms and the model's state dict."""
     ref = gpt().to(torch.bfloat16)
     masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
     opt = torch.optim.AdamW(masters, lr=MAX_LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                             fused=True)
-    losses, lrs = [], []
+    losses, lrs, norms = [], [], []
     for k in range(steps):
         for micro in range(ACCUM):
             loss = loss_of(ref, k, micro)
             (loss / ACCUM).backward()
             losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         for g in opt.param_groups:
             g["lr"] = warmup_lr(k)
         lrs.append(warmup_lr(k))
         for q, p in zip(masters, ref.parameters()):
             q.grad = p.grad.float()
+        norms.append(torch.nn.utils.clip_grad_norm_(masters, 1.0).item())
         opt.step()
         with torch.no_grad():
             for q, p in zip(masters, ref.parameters()):
                 p.copy_(q)
         ref.zero_grad()
         opt.zero_grad()
-    return losses, lrs, ref.state_dict()
+    return losses, lrs, norms, ref.state_dict()
 
 
-def train(engine, start: int, stop: int) -> tuple[list[float], list[float]]:
-    losses, lrs = [], []
+def train(engine, start: int, stop: int) -> tuple[list[float], list[float], list[float]]:
+    losses, lrs, norms = [], [], []
     for k in range(start, stop):
         for micro in range(ACCUM):
             loss = loss_of(engine, k, micro)
@@ -107,7 +111,8 @@ def train(engine, start: int, stop: int) -> tuple[list[float], list[float]]:
             else:
                 assert not engine.is_gradient_accumulation_boundary()
             engine.step()
-    return losses, lrs
+        norms.append(engine.get_global_grad_norm())
+    return losses, lrs, norms
 
 
 def test_the_article_config_equals_a_hand_written_deepspeed_loop_bit_for_bit(tmp_path, caplog):
@@ -121,10 +126,11 @@ def test_the_article_config_equals_a_hand_written_deepspeed_loop_bit_for_bit(tmp
     assert "partition_activations" in caplog.text and "no-op" in caplog.text
     assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
             engine.gradient_accumulation_steps()) == (MICRO * ACCUM, MICRO, ACCUM)
-    want_losses, want_lrs, want_sd = reference(STEPS)
-    losses, lrs = train(engine, 0, STEPS)
+    want_losses, want_lrs, want_norms, want_sd = reference(STEPS)
+    losses, lrs, norms = train(engine, 0, STEPS)
     assert losses == want_losses and lrs == want_lrs
-    assert engine.global_steps == STEPS and engine.get_global_grad_norm() > 0
+    assert norms == want_norms  # DeepSpeed's fp32 norm, not torch's over bf16 (bf16-rounded)
+    assert engine.global_steps == STEPS and all(n > 1.0 for n in norms)  # each step clipped
     sd = engine.module.state_dict()
     for k, v in want_sd.items():
         assert torch.equal(sd[k], v), k
@@ -138,16 +144,16 @@ import test_initialize as t
 import tieroffload
 engine, *_ = tieroffload.initialize(model=t.gpt(), config=t.article_config({nvme!r}))
 path, client = engine.load_checkpoint({ckpt!r})
-losses, lrs = t.train(engine, engine.global_steps, t.STEPS)
+losses, lrs, norms = t.train(engine, engine.global_steps, t.STEPS)
 sd = engine.module.state_dict()
-print(json.dumps({{"path": path, "client": client, "losses": losses, "lrs": lrs,
+print(json.dumps({{"path": path, "client": client, "losses": losses, "lrs": lrs, "norms": norms,
                   "steps": engine.global_steps,
                   "digests": {{k: t.digest(v) for k, v in sd.items()}}}}))
 """
 
 
 def test_a_checkpoint_resumed_in_a_new_process_continues_the_run_exactly(tmp_path):
-    want_losses, want_lrs, want_sd = reference(STEPS)
+    want_losses, want_lrs, want_norms, want_sd = reference(STEPS)
     for d in ("a", "b"):
         (tmp_path / d).mkdir()
     engine, *_ = tieroffload.initialize(model=gpt(), config=article_config(str(tmp_path / "a")))
@@ -165,6 +171,7 @@ def test_a_checkpoint_resumed_in_a_new_process_continues_the_run_exactly(tmp_pat
     assert got["path"] == str(tmp_path / "ckpt" / "global_step2")
     assert got["client"] == {"epoch": 3} and got["steps"] == STEPS
     assert got["losses"] == want_losses[2 * ACCUM:] and got["lrs"] == want_lrs[2:]
+    assert got["norms"] == want_norms[2:]
     assert got["digests"] == {k: digest(v) for k, v in want_sd.items()}  # bit for bit
 
 
@@ -406,6 +413,46 @@ def test_fp16_clipping_is_deepspeed_s_over_the_unscaled_gradients_in_fp32(clip):
         assert step or (norm_ref * scale > 65504 and norm_ref > 1)
     assert engine.skipped_steps == 0 and opt.loss_scale == scale
     assert loss.item() < 0.1  # it trained
+    sd = engine.module.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    tieroffload.close(engine.module)
+
+
+def test_bf16_clipping_is_deepspeed_s_in_fp32_over_the_bf16_gradients():
+    """bf16 with gradient_clipping: DeepSpeed takes the norm of the bf16 gradients in fp32 and
+    clips the fp32 masters' gradients; torch's clip over the bf16 gradients would return a
+    bf16-rounded norm and clip in bf16. A loop doing DeepSpeed's by hand gives the same losses,
+    norms (get_global_grad_norm) and weights, bit for bit."""
+    cfg = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True},
+           "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
+    engine, *_ = tieroffload.initialize(model=fp16_mlp().bfloat16(), config=cfg)
+    ref = fp16_mlp().bfloat16()
+    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    opt_ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.0, fused=True)
+    rounded = False
+    for step in range(5):
+        x, y = fp16_batch(step)
+        loss_ref = F.cross_entropy(ref(x.bfloat16()).float(), y)
+        loss_ref.backward()
+        bf16_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+        for q, p in zip(masters, ref.parameters()):
+            q.grad = p.grad.float()
+            p.grad = None
+        norm_ref = torch.nn.utils.clip_grad_norm_(masters, 1.0)
+        opt_ref.step()
+        with torch.no_grad():
+            for q, p in zip(masters, ref.parameters()):
+                p.copy_(q)
+                q.grad = None
+        loss = F.cross_entropy(engine(x.bfloat16()).float(), y)
+        engine.backward(loss)
+        engine.step()
+        assert loss.item() == loss_ref.item(), step
+        assert engine.get_global_grad_norm() == norm_ref.item(), step
+        rounded = rounded or bf16_norm.item() != norm_ref.item()
+    assert rounded  # torch's norm over the bf16 gradients differs
     sd = engine.module.state_dict()
     for k, v in ref.state_dict().items():
         assert torch.equal(sd[k], v), k

@@ -1235,6 +1235,51 @@ def test_fp16_clipping_takes_the_norm_of_the_unscaled_gradients_in_fp32(how, con
 
 
 @pytest.mark.parametrize("config", ["cpu-cpu", "nvme-nvme-grads"])
+def test_bf16_clipping_with_fp32_is_deepspeed_s_and_without_it_torch_s(config, tmp_path):
+    """bf16 with no loss scale: ``clip_grad_norm_(m, fp32=True)`` (the DeepSpeed drop-in's)
+    takes the norm in fp32 over the bf16 gradients and clips their fp32 copies, as an fp32-master
+    loop that clips the masters by torch's clip_grad_norm_ does, bit for bit; plain
+    ``clip_grad_norm_`` stays torch's over the bf16 gradients (a bf16 norm)."""
+    torch.manual_seed(0)
+    ref = TinyGPT().to(torch.bfloat16)
+    model = tieroffload.offload(copy.deepcopy(ref), policy(config, tmp_path))
+    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    opt_ref = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    max_norm, rounded = 0.5, False
+    for step in range(4):
+        x = batch(step, 0)
+        loss_ref = ref(x).float().square().mean() * 10
+        loss_ref.backward()
+        bf16_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+        for q, p in zip(masters, ref.parameters()):
+            q.grad = p.grad.float()
+        norm_ref = torch.nn.utils.clip_grad_norm_(masters, max_norm)
+        opt_ref.step()
+        with torch.no_grad():
+            for q, p in zip(masters, ref.parameters()):
+                p.copy_(q)
+                p.grad = q.grad = None
+        loss = model(x).float().square().mean() * 10
+        loss.backward()
+        norm = opt.clip_grad_norm_(max_norm, fp32=True)
+        opt.step()
+        opt.zero_grad()
+        assert loss.item() == loss_ref.item(), step
+        assert norm.dtype == torch.float32 and torch.equal(norm, norm_ref), (step, norm)
+        assert norm_ref > max_norm  # clipped
+        rounded = rounded or not torch.equal(bf16_norm.float(), norm_ref)
+    assert rounded  # torch's bf16 norm is not this one
+    with tieroffload.materialize(model):
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+    model(batch(9, 0)).float().square().mean().backward()
+    assert opt.clip_grad_norm_(max_norm).dtype == torch.bfloat16  # torch's, as before
+    opt.close()
+    tieroffload.close(model)
+
+
+@pytest.mark.parametrize("config", ["cpu-cpu", "nvme-nvme-grads"])
 def test_fp16_overflow_skips_the_step(config, tmp_path):
     torch.manual_seed(0)
     model = tieroffload.offload(TinyGPT().half(), policy(config, tmp_path))

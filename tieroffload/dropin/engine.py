@@ -88,7 +88,7 @@ class Engine(nn.Module):
         if self.is_gradient_accumulation_boundary():
             opt = self.optimizer
             if self.plan.clipping > 0:
-                self._global_grad_norm = float(opt.clip_grad_norm_(self.plan.clipping))
+                self._global_grad_norm = float(opt.clip_grad_norm_(self.plan.clipping, fp32=True))
             skipped = opt.skipped_steps
             opt.step()
             opt.zero_grad()

@@ -78,7 +78,7 @@ class Updater:
         self.backward: InBackward | None = None  # weak, set once built (it uses this one)
         self.settling = False
         self.clips: list[torch.Tensor] = []  # clip_grad_norm_ factors of paged gradients
-        self.fp32_clips: Fp32Clips = []  # and of every gradient, under loss scaling
+        self.fp32_clips: Fp32Clips = []  # and of every gradient, in fp32 (DeepSpeed's clip)
         # zero_grad(set_to_none=False): plain PyTorch keeps a zero p.grad for every parameter
         # that had one, and steps it (weight decay, moments) in a step where it gets no
         # gradient; here p.grad is None after a step, so those are filled with zeros.
@@ -227,7 +227,7 @@ class Updater:
         """Updates the chunk with the gradients it has (``p.grad``, or its masters' host
         copies); those in ``fill`` that have none get zeros; ``record``: note which had one.
         ``scale``: they are divided by it, then multiplied by ``fp32_clips`` (in fp32 for
-        fp16 parameters: DeepSpeed's unscale and clip)."""
+        fp16 and bf16 parameters: DeepSpeed's unscale and clip)."""
         for p in chunk.params:
             for c in clips:  # clip_grad_norm_ of gradients that were on NVMe
                 if p.grad is not None:
@@ -245,8 +245,9 @@ class Updater:
                 self.had_grad.add(id(p))
             if q is not None:
                 q.grad = g
-            if g is not None and scale is not None:
-                g.mul_(1.0 / scale)
+            if g is not None:
+                if scale is not None:
+                    g.mul_(1.0 / scale)
                 for ids, c in fp32_clips:
                     if id(p) in ids:
                         g.mul_(c.to(g.device))

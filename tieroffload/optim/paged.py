@@ -330,14 +330,17 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
+                        error_if_nonfinite: bool = False, *, fp32: bool = False) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters, gradients
         paged to NVMe included: returns the total norm (torch's formula, over unscaled
         gradients) and scales the gradients by ``min(1, max_norm / (norm + 1e-6))``, resident
-        ones now, paged ones in the step."""
+        ones now, paged ones in the step. ``fp32`` (always so under loss scaling): DeepSpeed's
+        clip, as ``tieroffload.initialize`` asks for it: the norm is taken in fp32 (that of
+        each gradient, then of those) and the step multiplies the gradients' fp32 copies (the
+        masters' gradients) by the coefficient, not the bf16 or fp16 gradients."""
         self.misuse.check_open()
         return self.clip_params([p for g in self.param_groups for p in g["params"]], max_norm,
-                                norm_type, error_if_nonfinite)
+                                norm_type, error_if_nonfinite, fp32)
 
     # -- what offload()'s hooks call ----------------------------------------------------------
 
@@ -434,7 +437,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         return self.layout.owns(params)
 
     def clip_params(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
-                    error_if_nonfinite: bool) -> torch.Tensor:
+                    error_if_nonfinite: bool, fp32: bool = False) -> torch.Tensor:
         """``clip_grad_norm_`` over ``params``, in their order (see ``clip_grad_norm_``)."""
         if self.overlap == "backward":
             raise RuntimeError('tieroffload: overlap="backward" steps each chunk during backward, '
@@ -443,7 +446,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         wanted = {id(p) for p in params}
         stored = [(pager, c.units, ps) for c in self.chunks
                   if (ps := [p for p in c.params if id(p) in wanted])]
-        if self.scaler is not None:
+        if fp32 or self.scaler is not None:
             return self._clip_unscaled(params, max_norm, norm_type, error_if_nonfinite, stored)
         total, coef, later = clip_norm(params, max_norm, norm_type, error_if_nonfinite, stored,
                                        self.updater.clips)
@@ -453,14 +456,15 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def _clip_unscaled(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
                        error_if_nonfinite: bool, stored: list) -> torch.Tensor:
-        """``clip_params`` under loss scaling, as DeepSpeed's fp16 clip: the norm is over the
-        unscaled gradients, in fp32, and the step multiplies their fp32 copies, unscaled, by
-        the coefficient. A non-finite norm is an overflow, which ``step()`` skips: it clips
-        nothing (a coefficient of 0 would step on zero gradients instead)."""
-        total = unscaled_norm(params, norm_type, stored, self.scaler.scale,
-                              self.updater.fp32_clips)
+        """``clip_params`` as DeepSpeed's clip (under loss scaling, or ``fp32``): the norm is
+        over the unscaled gradients, in fp32, and the step multiplies their fp32 copies,
+        unscaled, by the coefficient. Under loss scaling a non-finite norm is an overflow,
+        which ``step()`` skips: it clips nothing (a coefficient of 0 would step on zero
+        gradients instead); without, nothing is skipped and it clips (to NaN, as DeepSpeed)."""
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        total = unscaled_norm(params, norm_type, stored, scale, self.updater.fp32_clips)
         coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
-        if bool(torch.isfinite(total)):  # (the host step's masters' gradients are on the host)
+        if self.scaler is None or bool(torch.isfinite(total)):  # (host step: on the host)
             self.updater.fp32_clips.append((frozenset(id(p) for p in params),
                                             coef.cpu() if self.host_step else coef))
             for p in params:  # not this optimizer's: clipped now, as torch's clip does
