@@ -234,6 +234,26 @@ def unscaled_norm(params: list[torch.Tensor], norm_type: float, stored: Stored, 
     return total_norm(params, norms, norm_type) / scale
 
 
+def clip_fp32(params: list[torch.Tensor], max_norm: float, norm_type: float,
+              error_if_nonfinite: bool, stored: Stored, scale: float,
+              earlier: list[tuple[frozenset[int], torch.Tensor]], skip_nonfinite: bool,
+              now: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """DeepSpeed's clip (under loss scaling, or asked for): the norm over the unscaled
+    gradients in fp32 (``unscaled_norm``) and its coefficient, which the caller's step applies
+    to the gradients' fp32 copies; the gradients of ``now`` (no copies of theirs are stepped)
+    are clipped at once, as torch's clip does. With ``skip_nonfinite`` (loss scaling) a
+    non-finite norm is an overflow the step skips: nothing is clipped and the coefficient is
+    None (one of 0 would step on zero gradients); without, it clips (to NaN, as DeepSpeed)."""
+    total = unscaled_norm(params, norm_type, stored, scale, earlier)
+    coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
+    if skip_nonfinite and not bool(torch.isfinite(total)):
+        return total, None
+    for p in now:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device))
+    return total, coef
+
+
 def _norms(params: list[torch.Tensor], norm_type: float, stored: Stored,
            earlier: list[torch.Tensor], dtype: torch.dtype | None) -> tuple[Norms, set[int]]:
     """The norms of the gradients of ``params`` (see ``clip_norm``; in ``dtype`` unless None),

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 Grads = list[torch.Tensor | None] | None  # a chunk's gradients (None: in the gradient pager)
 # clip_grad_norm_ coefficients under loss scaling, each with the ids of the parameters it
-# clips: they multiply the fp32 gradients once unscaled (see PagedOptimizer._clip_unscaled).
+# clips: they multiply the fp32 gradients once unscaled (see hooks.steps.clip_fp32).
 Fp32Clips = list[tuple[frozenset[int], torch.Tensor]]
 
 

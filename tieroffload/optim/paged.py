@@ -25,11 +25,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..compat.tensors import clip_coefficient
 from ..core.units import Unit
 from ..hooks.registry import state_of
 from ..hooks.state import OffloadState
-from ..hooks.steps import clip_norm, unscaled_norm
+from ..hooks.steps import clip_fp32, clip_norm
 from .deferred import Updater
 from .guards import (
     Misuse,
@@ -447,29 +446,18 @@ class PagedOptimizer(torch.optim.Optimizer):
         stored = [(pager, c.units, ps) for c in self.chunks
                   if (ps := [p for p in c.params if id(p) in wanted])]
         if fp32 or self.scaler is not None:
-            return self._clip_unscaled(params, max_norm, norm_type, error_if_nonfinite, stored)
+            scale = 1.0 if self.scaler is None else self.scaler.scale
+            total, coef = clip_fp32(params, max_norm, norm_type, error_if_nonfinite, stored,
+                                    scale, self.updater.fp32_clips, self.scaler is not None,
+                                    [p for p in params if id(p) not in self._ids])
+            if coef is not None:  # (host step: the masters' gradients are on the host)
+                self.updater.fp32_clips.append((frozenset(id(p) for p in params),
+                                                coef.cpu() if self.host_step else coef))
+            return total
         total, coef, later = clip_norm(params, max_norm, norm_type, error_if_nonfinite, stored,
                                        self.updater.clips)
         if later:
             self.updater.clips.append(coef)
-        return total
-
-    def _clip_unscaled(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
-                       error_if_nonfinite: bool, stored: list) -> torch.Tensor:
-        """``clip_params`` as DeepSpeed's clip (under loss scaling, or ``fp32``): the norm is
-        over the unscaled gradients, in fp32, and the step multiplies their fp32 copies,
-        unscaled, by the coefficient. Under loss scaling a non-finite norm is an overflow,
-        which ``step()`` skips: it clips nothing (a coefficient of 0 would step on zero
-        gradients instead); without, nothing is skipped and it clips (to NaN, as DeepSpeed)."""
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        total = unscaled_norm(params, norm_type, stored, scale, self.updater.fp32_clips)
-        coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
-        if self.scaler is None or bool(torch.isfinite(total)):  # (host step: on the host)
-            self.updater.fp32_clips.append((frozenset(id(p) for p in params),
-                                            coef.cpu() if self.host_step else coef))
-            for p in params:  # not this optimizer's: clipped now, as torch's clip does
-                if id(p) not in self._ids and p.grad is not None:
-                    p.grad.mul_(coef.to(p.grad.device))
         return total
 
 
