@@ -57,8 +57,8 @@ class PagedOptimizer(Protocol):
         """Every one of ``params`` is stepped by this optimizer."""
 
     def clip_params(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
-                    error_if_nonfinite: bool) -> torch.Tensor:
-        """``clip_grad_norm_`` over ``params``, which it owns."""
+                    error_if_nonfinite: bool, fp32: bool = False) -> torch.Tensor:
+        """``clip_grad_norm_`` over ``params``, which it owns (``fp32``: DeepSpeed's)."""
 
     def settle(self, units: list[Unit] | None = None) -> None:
         """Applies the deferred updates of ``units`` (all: None)."""
