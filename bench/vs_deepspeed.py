@@ -36,14 +36,29 @@ ROOT = Path(__file__).resolve().parent.parent
 MiB, GiB = 1 << 20, 1 << 30
 
 
-def load_models():
-    """The GPT and token stream of ``tieroffload.testing.models``, loaded from its file, so that
-    a DeepSpeed environment without tieroffload installed builds the same model."""
-    spec = importlib.util.spec_from_file_location(
-        "gpt_models", ROOT / "tieroffload" / "testing" / "models.py")
+def load_file(name: str, path: Path):
+    """A module of tieroffload's loaded from its file, so that a DeepSpeed environment without
+    tieroffload installed uses the same code."""
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def load_models():
+    """The GPT and token stream of ``tieroffload.testing.models``."""
+    mod = load_file("gpt_models", ROOT / "tieroffload" / "testing" / "models.py")
     return mod.GPT, mod.token_batch
+
+
+def one_rank() -> None:
+    """A process group of this one process (gloo), as DeepSpeed needs one."""
+    import torch.distributed as dist
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
+                 ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1)
 
 
 def io_bytes() -> tuple[int, int]:
@@ -91,13 +106,8 @@ def deepspeed_config(args, largest: int) -> dict:
 
 def run_deepspeed(args, model, batches) -> tuple[list[float], list[float]]:
     import deepspeed
-    import torch.distributed as dist
     import torch.nn.functional as F
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
-                 ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    one_rank()
     config = deepspeed_config(args, max(p.numel() for p in model.parameters()))
     # Partition first, in the config's precision (fp32 here). Left to deepspeed.initialize, the
     # model is partitioned with ``dtype=`` its fp32 parameters, and DeepSpeed 0.19.8's

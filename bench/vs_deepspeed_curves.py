@@ -27,7 +27,6 @@ the example's, the same for both: every micro-batch ``engine.backward(loss)`` an
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -38,32 +37,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from vs_deepspeed import load_file, one_rank, peak_rss  # beside this file
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_file(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def deepspeed_engine(model, config: str):
     import deepspeed
-    import torch.distributed as dist
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
-                 ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    one_rank()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=config)
     return engine

@@ -100,3 +100,18 @@ def cached(fn: Callable[..., T]) -> Callable[..., T]:
         return copy.deepcopy(once(*args, **kwargs))
 
     return copied
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """``n`` fixed rows of ``seq`` token ids below ``vocab``, each its own labels: a causal LM's
+    training set for the Trainer and accelerate."""
+
+    def __init__(self, vocab: int, n: int = 16, seq: int = 12) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}

@@ -759,18 +759,6 @@ def test_generate_greedy_kv_cache(name, tmp_path):
 
 # -- 9. the HF Trainer ------------------------------------------------------------------------
 
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=16, seq=12):
-        g = torch.Generator().manual_seed(7)
-        self.ids = torch.randint(0, VOCAB, (n, seq), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _trainer_run(model, opt, out_dir):
     args = transformers.TrainingArguments(
         output_dir=str(out_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2,
@@ -778,7 +766,8 @@ def _trainer_run(model, opt, out_dir):
         lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, report_to=[],
         use_cpu=True, save_strategy="no", seed=0, dataloader_num_workers=0,
         disable_tqdm=True)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(),
+    trainer = transformers.Trainer(model=model, args=args,
+                                   train_dataset=helpers.TokenDataset(VOCAB),
                                    optimizers=(opt, None))  # opt None: the Trainer's own
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from helpers import TokenDataset
 from torch import nn
 
 import tieroffload
@@ -124,18 +125,6 @@ def test_load_weights_not_strict_returns_missing_and_unexpected_keys(tmp_path):
 
 # -- the Hugging Face Trainer -------------------------------------------------------------------
 
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=16, seq=12):
-        g = torch.Generator().manual_seed(7)
-        self.ids = torch.randint(0, VOCAB, (n, seq), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 class _Recording(transformers.Trainer):
     """Records every micro-batch's loss exactly (the logs average them)."""
 
@@ -159,7 +148,7 @@ def trainer_args(out_dir, report_to=(), **kw):
 def trainer(model, args, offload: bool):
     """The user's Trainer; with ``offload`` the one added argument."""
     opts = (tieroffload.hf.trainer_optimizer(model, args), None) if offload else (None, None)
-    t = _Recording(model=model, args=args, train_dataset=_Tokens(), optimizers=opts)
+    t = _Recording(model=model, args=args, train_dataset=TokenDataset(VOCAB), optimizers=opts)
     t.losses = []
     return t
 
@@ -279,7 +268,7 @@ def accelerate_run(model, opt, steps=4):
     GradientState._reset_state()
     acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
-    data = torch.utils.data.DataLoader(_Tokens(), batch_size=2)
+    data = torch.utils.data.DataLoader(TokenDataset(VOCAB), batch_size=2)
     model, opt, data, sched = acc.prepare(model, opt, data, sched)
     losses = []
     for i, batch in enumerate(data):

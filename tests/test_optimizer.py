@@ -1183,6 +1183,22 @@ def test_weights_written_after_the_optimizer_is_built_are_stepped(how, config, t
     tieroffload.close(model)
 
 
+def master_step(ref: nn.Module, masters: list[torch.Tensor], opt_ref: torch.optim.Optimizer,
+                max_norm: float, scale: float = 1.0) -> torch.Tensor:
+    """A step of ``ref`` (fp16 or bf16) over fp32 ``masters`` as DeepSpeed takes it: the
+    gradients unscaled into the masters in fp32, clipped there by torch's clip, stepped and
+    copied back; returns the norm."""
+    for q, p in zip(masters, ref.parameters()):
+        q.grad = p.grad.float().mul_(1.0 / scale)  # unscaled (exactly: a power of two), fp32
+    norm = torch.nn.utils.clip_grad_norm_(masters, max_norm)
+    opt_ref.step()
+    with torch.no_grad():
+        for q, p in zip(masters, ref.parameters()):
+            p.copy_(q)
+            p.grad = q.grad = None
+    return norm
+
+
 @pytest.mark.parametrize("how", ["method", "torch"])
 @pytest.mark.parametrize("config", ["cpu-cpu", "nvme-nvme-grads"])
 def test_fp16_clipping_takes_the_norm_of_the_unscaled_gradients_in_fp32(how, config, tmp_path):
@@ -1203,14 +1219,7 @@ def test_fp16_clipping_takes_the_norm_of_the_unscaled_gradients_in_fp32(how, con
         x = batch(step, 0)
         loss_ref = ref(x).float().square().mean() * 10
         (loss_ref * scale).backward()
-        for q, p in zip(masters, ref.parameters()):
-            q.grad = p.grad.float().mul_(1.0 / scale)  # unscaled, in fp32
-        norm_ref = torch.nn.utils.clip_grad_norm_(masters, max_norm)
-        opt_ref.step()
-        with torch.no_grad():
-            for q, p in zip(masters, ref.parameters()):
-                p.copy_(q)
-                p.grad = q.grad = None
+        norm_ref = master_step(ref, masters, opt_ref, max_norm, scale)
         loss = model(x).float().square().mean() * 10
         opt.scale_loss(loss).backward()
         norm = clip(max_norm)
@@ -1252,14 +1261,7 @@ def test_bf16_clipping_with_fp32_is_deepspeed_s_and_without_it_torch_s(config, t
         loss_ref = ref(x).float().square().mean() * 10
         loss_ref.backward()
         bf16_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
-        for q, p in zip(masters, ref.parameters()):
-            q.grad = p.grad.float()
-        norm_ref = torch.nn.utils.clip_grad_norm_(masters, max_norm)
-        opt_ref.step()
-        with torch.no_grad():
-            for q, p in zip(masters, ref.parameters()):
-                p.copy_(q)
-                p.grad = q.grad = None
+        norm_ref = master_step(ref, masters, opt_ref, max_norm)
         loss = model(x).float().square().mean() * 10
         loss.backward()
         norm = opt.clip_grad_norm_(max_norm, fp32=True)

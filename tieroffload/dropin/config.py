@@ -6,8 +6,6 @@ sizes, clipping, activation checkpointing, logging and the monitor. ``read_confi
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any
 
 import torch
@@ -57,17 +55,6 @@ class Plan:
     decided: list[str]
 
 
-def load(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
-    """The config as a dict: given as one, or read from its JSON file."""
-    if isinstance(config, (str, os.PathLike)):
-        try:
-            with open(config) as f:
-                config = json.load(f)
-        except ValueError as e:
-            raise ValueError(f"DeepSpeed config {os.fspath(config)}: not JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"a DeepSpeed config is a dict (or its JSON file), not {config!r:.80}")
-    return config
 
 
 def _section(config: dict[str, Any], key: str) -> dict[str, Any]:

@@ -21,11 +21,12 @@ from torch import nn
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..hooks import close, offload
 from ..hooks.build import BudgetTooSmall
+from ..integrations.deepspeed import load_config
 from ..monitor import Monitor
 from ..optim import optimizer as paged_optimizer
 from ..policy import Policy
 from ..utils.dist import world_size
-from .config import Plan, load, read_config
+from .config import Plan, read_config
 from .scaler import DeepSpeedLossScale
 from .schedules import Schedule, make_schedule
 
@@ -324,7 +325,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     nothing uses are logged as a warning; ``strict=True`` refuses them. See
     docs/integrations.md."""
     _refuse_clients(optimizer, lr_scheduler, mpu, mesh_param)
-    config = load(_config_of(args, config, config_params))
+    config = load_config(_config_of(args, config, config_params))
     if world_size() > 1:
         raise ValueError(f"tieroffload.initialize runs one process, not {world_size()} ranks: "
                          "use deepspeed.initialize, or FSDP2 with tieroffload "

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..aio.config import IOConfig
-from ..integrations.deepspeed import policy_from_deepspeed
+from ..integrations.deepspeed import load_config, policy_from_deepspeed
 from ..utils.paths import directories
 from ..utils.sizes import parse_bytes
 
@@ -183,13 +183,7 @@ class BasePolicy:
         """A Policy from a DeepSpeed config (a dict or a JSON file): its ZeRO ``offload_param``,
         ``offload_optimizer`` and ``aio`` sections. Keys tieroffload decides for itself and keys it
         does not know are logged as a warning, never dropped in silence."""
-        if isinstance(config, (str, os.PathLike)):
-            try:
-                with open(config) as f:
-                    config = json.load(f)
-            except ValueError as e:
-                raise ValueError(f"DeepSpeed config {os.fspath(config)}: not JSON ({e})") from None
-        return cls.from_dict(policy_from_deepspeed(config))
+        return cls.from_dict(policy_from_deepspeed(load_config(config)))
 
     def explain(self) -> str:
         """What goes where and why, with the predicted step time, peak memory per tier and the

@@ -6,7 +6,9 @@ DeepSpeed counts parameters in elements; tieroffload budgets bytes. Element coun
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from typing import Any
 
 log = logging.getLogger("tieroffload")
@@ -24,6 +26,19 @@ DECIDED_HERE = {
 }
 BYTES_PER_ELEMENT = 2
 TIER = {"nvme": "nvme", "cpu": "cpu", "none": None, None: None}
+
+
+def load_config(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    """A DeepSpeed config as a dict: given as one, or read from its JSON file."""
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config) as f:
+                config = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"DeepSpeed config {os.fspath(config)}: not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"a DeepSpeed config is a dict (or its JSON file), not {config!r:.80}")
+    return config
 
 
 def _section(config: Any, key: str, where: str) -> dict[str, Any]:
