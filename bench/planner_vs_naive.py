@@ -12,12 +12,9 @@ import argparse
 import statistics
 import tempfile
 
-import torch
-import torch.nn.functional as F
-
 from tieroffload import Policy
 from tieroffload.planner import Machine, Profile, measure, predict
-from tieroffload.testing.models import GPT, token_batch
+from tieroffload.testing.models import gpt_task
 from tieroffload.utils.sizes import format_bytes
 
 # The test suite's "deep" shape (tests/test_planner.py): deep and narrow.
@@ -31,16 +28,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="measured steps per round")
     ap.add_argument("--budget", default="4GiB", help="Policy.auto's cpu_budget")
     args = ap.parse_args()
-    s = SHAPE
-
-    def build():
-        torch.manual_seed(0)
-        return GPT(s["vocab"], s["d"], s["layers"], s["heads"], s["seq"])
-
-    x, y = token_batch(0, s["batch"], s["seq"], s["vocab"])
-
-    def sample(model):
-        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    build, sample = gpt_task(**SHAPE)
 
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-planner-") as d:
         machine = Machine.measure(d, size=128 << 20)

@@ -776,16 +776,23 @@ def test_fp16_backward_of_an_unscaled_loss_and_a_skipped_in_backward_step_are_na
     tieroffload.close(model)
 
 
+def masters_pair(dtype: torch.dtype, config: str, tmp_path, **opt_kw):
+    """(a TinyGPT in ``dtype``, its offloaded copy, fp32 masters of the first, a fused AdamW
+    over them, the paged AdamW over the copy with ``opt_kw``): lr 1e-2 both."""
+    torch.manual_seed(0)
+    ref = TinyGPT().to(dtype)
+    model = tieroffload.offload(copy.deepcopy(ref), policy(config, tmp_path))
+    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    opt_ref = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    return ref, model, masters, opt_ref, tieroffload.optimizer(model, torch.optim.AdamW,
+                                                                lr=1e-2, **opt_kw)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_closing_the_optimizer_applies_its_deferred_update(dtype, tmp_path):
     """overlap=True leaves each chunk's update for the next use of its parameters: close()
     applies it (the step was taken), and the model goes on without the optimizer."""
-    torch.manual_seed(0)
-    ref = TinyGPT().to(dtype)
-    model = tieroffload.offload(copy.deepcopy(ref), policy("nvme-nvme-grads", tmp_path))
-    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
-    opt_ref = torch.optim.AdamW(masters, lr=1e-2, fused=True)
-    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    ref, model, masters, opt_ref, opt = masters_pair(dtype, "nvme-nvme-grads", tmp_path)
     ref(batch(0, 0)).float().square().mean().backward()
     manual_master_step(ref, masters, opt_ref, None)
     model(batch(0, 0)).float().square().mean().backward()
@@ -1088,13 +1095,8 @@ def manual_master_step(ref, masters, opt_ref, scale):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("config", ["cpu-cpu", "nvme-nvme-grads"])
 def test_mixed_precision_fp32_masters(dtype, config, tmp_path):
-    torch.manual_seed(0)
-    ref = TinyGPT().to(dtype)
-    model = tieroffload.offload(copy.deepcopy(ref), policy(config, tmp_path))
-    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
-    opt_ref = torch.optim.AdamW(masters, lr=1e-2, fused=True)
     scale = 256.0 if dtype == torch.float16 else None
-    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2, loss_scale=scale)
+    ref, model, masters, opt_ref, opt = masters_pair(dtype, config, tmp_path, loss_scale=scale)
     assert opt.loss_scale == scale
     for step in range(6):
         x = batch(step, 0)
@@ -1148,12 +1150,7 @@ def test_weights_written_after_the_optimizer_is_built_are_stepped(how, config, t
     what the next step updates (a master follows its parameter where they differ), as
     PyTorch steps the parameter itself; a parameter only viewed (``p.detach()``) keeps its
     master's extra bits."""
-    torch.manual_seed(0)
-    ref = TinyGPT().to(torch.bfloat16)
-    model = tieroffload.offload(copy.deepcopy(ref), policy(config, tmp_path))
-    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
-    opt_ref = torch.optim.AdamW(masters, lr=1e-2, fused=True)
-    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    ref, model, masters, opt_ref, opt = masters_pair(torch.bfloat16, config, tmp_path)
     for step in range(4):
         if step in (1, 2):  # twice: each write must be seen
             write_weights(how, ref, False)
@@ -1206,12 +1203,8 @@ def test_fp16_clipping_takes_the_norm_of_the_unscaled_gradients_in_fp32(how, con
     the norm is DeepSpeed's, over the unscaled gradients in fp32, and the clip multiplies
     their fp32 copies, as a hand-written fp32-master loop does, bit for bit; and an overflow
     skips the step and halves the scale instead of clipping to zero gradients."""
-    torch.manual_seed(0)
-    ref = TinyGPT().half()
-    model = tieroffload.offload(copy.deepcopy(ref), policy(config, tmp_path))
-    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
-    opt_ref = torch.optim.AdamW(masters, lr=1e-2, fused=True)
-    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2, loss_scale="dynamic")
+    ref, model, masters, opt_ref, opt = masters_pair(torch.float16, config, tmp_path,
+                                                     loss_scale="dynamic")
     scale, max_norm = opt.loss_scale, 0.5
     clip = (opt.clip_grad_norm_ if how == "method"
             else lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m))
@@ -1249,12 +1242,7 @@ def test_bf16_clipping_with_fp32_is_deepspeed_s_and_without_it_torch_s(config, t
     takes the norm in fp32 over the bf16 gradients and clips their fp32 copies, as an fp32-master
     loop that clips the masters by torch's clip_grad_norm_ does, bit for bit; plain
     ``clip_grad_norm_`` stays torch's over the bf16 gradients (a bf16 norm)."""
-    torch.manual_seed(0)
-    ref = TinyGPT().to(torch.bfloat16)
-    model = tieroffload.offload(copy.deepcopy(ref), policy(config, tmp_path))
-    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
-    opt_ref = torch.optim.AdamW(masters, lr=1e-2, fused=True)
-    opt = tieroffload.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    ref, model, masters, opt_ref, opt = masters_pair(torch.bfloat16, config, tmp_path)
     max_norm, rounded = 0.5, False
     for step in range(4):
         x = batch(step, 0)

@@ -6,14 +6,13 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from models import mlp
 from torch import nn
 
 import tieroffload
 from tieroffload import Policy
 from tieroffload.planner import Machine, Profile, measure, predict
-from tieroffload.testing.models import GPT, token_batch
+from tieroffload.testing.models import gpt_task
 from tieroffload.utils import memory
 
 # Three shapes: deep and narrow, wide and shallow, long sequence (activation heavy).
@@ -26,18 +25,7 @@ OVERHEAD = 48 << 20  # what a measured peak may exceed the budget by: allocator 
 
 
 def shape(name: str):
-    s = SHAPES[name]
-
-    def build():
-        torch.manual_seed(0)
-        return GPT(s["vocab"], s["d"], s["layers"], s["heads"], s["seq"])
-
-    x, y = token_batch(0, s["batch"], s["seq"], s["vocab"])
-
-    def sample(model):
-        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-
-    return build, sample
+    return gpt_task(**SHAPES[name])
 
 
 @pytest.fixture(scope="module")

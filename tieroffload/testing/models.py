@@ -3,6 +3,8 @@ main job, the examples and the benchmarks train these without downloading anythi
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,3 +68,20 @@ def token_batch(step: int, batch: int, seq: int, vocab: int) -> tuple[torch.Tens
     noise = torch.rand(batch, seq + 1, generator=g) < 0.1
     tokens = torch.where(noise, torch.randint(0, vocab, tokens.shape, generator=g), tokens)
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def gpt_task(vocab: int, d: int, layers: int, heads: int, seq: int, batch: int
+             ) -> tuple[Callable[[], GPT], Callable[[nn.Module], torch.Tensor]]:
+    """``(build, sample)`` as ``Policy.auto`` and the planner take them: ``build()`` makes the
+    GPT afresh (the same weights each time), ``sample(model)`` runs a forward on one fixed batch
+    of the token stream and returns its loss."""
+    def build() -> GPT:
+        torch.manual_seed(0)
+        return GPT(vocab, d, layers, heads, seq)
+
+    x, y = token_batch(0, batch, seq, vocab)
+
+    def sample(model: nn.Module) -> torch.Tensor:
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    return build, sample
