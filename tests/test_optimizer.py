@@ -987,6 +987,40 @@ def test_checkpoint_resume_in_new_process(tmp_path, resume_config):
     assert eval(r.stdout.strip().splitlines()[-1]) == uninterrupted
 
 
+@pytest.mark.parametrize("config", ["cpu-cpu", "nvme-nvme"])
+def test_a_factored_optimizer_s_checkpoint_resumes_exactly(config, tmp_path):
+    """transformers' Adafactor keeps row and column statistics, not of the parameter's shape:
+    its checkpoint loads, and the run goes on as one never stopped."""
+    optimization = pytest.importorskip("transformers.optimization")
+
+    def build(where):
+        torch.manual_seed(0)
+        model = tieroffload.offload(TinyGPT(), policy(config, tmp_path / where))
+        return model, tieroffload.optimizer(model, optimization.Adafactor, lr=1e-2,
+                                            scale_parameter=False, relative_step=False)
+
+    def steps(model, opt, first, n):
+        for i in range(first, first + n):
+            model(batch(i, 0)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        with tieroffload.materialize(model):
+            return [p.detach().clone() for p in model.parameters()]
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    model, opt = build("a")
+    steps(model, opt, 0, 3)
+    tieroffload.save_checkpoint(tmp_path / "ck", model, opt)
+    want = steps(model, opt, 3, 2)
+    model2, opt2 = build("b")
+    tieroffload.load_checkpoint(tmp_path / "ck", model2, opt2)
+    assert all(torch.equal(a, b) for a, b in zip(steps(model2, opt2, 3, 2), want))
+    for o, m in ((opt, model), (opt2, model2)):
+        o.close()
+        tieroffload.close(m)
+
+
 def test_corrupt_and_truncated_checkpoints_are_refused(tmp_path):
     torch.manual_seed(0)
     model = tieroffload.offload(TinyGPT(), policy("nvme-nvme", tmp_path))

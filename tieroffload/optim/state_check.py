@@ -145,7 +145,8 @@ def check_state(opt_cls: type, params: list[torch.Tensor], groups: list[dict[str
     AdamW, SGD; see ``known_state``) exactly its names for the saved group's
     hyperparameters, all tensors: a scalar ``step`` of fp32/fp64, the rest of the
     parameter's shape and of the dtype the optimizer keeps (``kept(param)``). For another
-    class: a scalar count, a tensor of the parameter's shape and kept dtype, or a plain value.
+    class: a scalar count, a tensor of the parameter's shape and kept dtype (or that shape less
+one dimension: a factored moment), or a plain value.
     ``groups`` are the saved, already checked param groups; ``label(index, name)`` names an
     entry in errors."""
     group_of = [gi for gi, g in enumerate(groups) for _ in g["params"]]
@@ -177,6 +178,8 @@ def check_state(opt_cls: type, params: list[torch.Tensor], groups: list[dict[str
                 continue
             if kind is None and e.shape == () and e.dtype in SCALAR_DTYPES:
                 continue  # a count, for a class the project does not know
+            if kind is None and _factor(e.shape, tuple(p.shape)) and e.dtype == want:
+                continue  # a factored moment (Adafactor's rows or columns), of that class
             if e.shape != tuple(p.shape) or e.dtype != want:
                 raise ValueError(f"{where} is {_fmt(e)}; this optimizer keeps "
                                  f"{str(want).removeprefix('torch.')}{list(p.shape)} for that "
@@ -194,6 +197,13 @@ def check_plain(optimizer: torch.optim.Optimizer, groups: Any,
     check_groups(type(optimizer), optimizer.defaults, optimizer.param_groups, groups)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     check_state(type(optimizer), params, groups, state, lambda p: p.dtype, label)
+
+
+def _factor(shape: tuple[int, ...], of: tuple[int, ...]) -> bool:
+    """``shape`` is ``of`` with one dimension left out (the row or column statistics of a
+    factored second moment, as transformers' Adafactor keeps them)."""
+    return len(shape) == len(of) - 1 and any(shape == of[:k] + of[k + 1:]
+                                             for k in range(len(of)))
 
 
 def _fmt(e: Entry) -> str:
