@@ -1411,6 +1411,30 @@ def test_zero_grad_keeping_zeros_steps_a_module_left_without_gradients(config, o
     tieroffload.close(model)
 
 
+@pytest.mark.parametrize("config", ["cpu-cpu", "cpu-nvme", "nvme-nvme"])
+def test_the_model_s_zero_grad_after_the_optimizer_s_keeping_zeros_drops_them(config,
+                                                                              tmp_path):
+    """opt.zero_grad(set_to_none=False), a step, then model.zero_grad(): plain PyTorch's
+    p.grad is None again, so a module left without gradients is not stepped; nor here,
+    whether the parameters are paged or resident."""
+    ref, model, opt_ref, opt = adamw_pair(config, 0.0, False, tmp_path, make=SometimesB)
+    for step, use_b in enumerate([True, True, False, False]):
+        for m in (ref, model):
+            x = torch.randn(4, 72, generator=torch.Generator().manual_seed(step))
+            m(x, use_b).square().mean().backward()
+        for m, o in ((ref, opt_ref), (model, opt)):
+            o.step()
+            if step == 0:
+                o.zero_grad(set_to_none=False)
+            else:
+                m.zero_grad()
+        with tieroffload.materialize(model):
+            for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+                assert torch.equal(a, b), (step, n)
+    opt.close()
+    tieroffload.close(model)
+
+
 def test_paged_gradients_need_one_paged_optimizer_per_module(tmp_path):
     """Paged gradients are stored and used up a module at a time: an optimizer over a module's
     weights and not its trainable bias is refused at once, naming both (a second optimizer

@@ -142,8 +142,9 @@ class OffloadState:
                 if self.grads is not None:  # what p.grad None hides from the user's tools
                     accelerate_clip.hold()
                     self._undo.append(accelerate_clip.let_go)
-                # paged gradients and a paged optimizer's step see each zero_grad()
-                self.steps.install(model, self._undo)
+            # paged gradients and a paged optimizer's step see each zero_grad() (a resident
+            # model's too: its paged optimizer keeps zeros as p.grad would, or not)
+            self.steps.install(model, self._undo)
             if policy.activations is not None:
                 self.tiers.setup_activations(model, self.layout.units, io_delay, self._handles)
         except BaseException:
