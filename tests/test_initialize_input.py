@@ -80,12 +80,17 @@ def test_a_failure_after_the_model_was_cast_and_offloaded_puts_it_back(monkeypat
         raise RuntimeError("out of pinned memory")
 
     m = model()
+    m(torch.ones(2, 4)).sum().backward()  # gradients the user has: given back as they were
+    grads = [p.grad.clone() for p in m.parameters()]
     before = snapshot(m)
     cfg = {**GOOD, "bf16": {"enabled": bf16}}
     monkeypatch.setattr(engine_module, "paged_optimizer", broken)
     with pytest.raises(RuntimeError, match="out of pinned memory"):
         tieroffload.initialize(model=m, config=cfg)
     assert_untouched(m, before)
+    assert all(p.grad.dtype == torch.float32 and torch.equal(p.grad, g)
+               for p, g in zip(m.parameters(), grads))
+    m.zero_grad()
     monkeypatch.undo()
     engine, *_ = tieroffload.initialize(model=m, config=cfg)
     one_step(engine)
@@ -124,6 +129,32 @@ def test_saving_between_micro_batches_is_refused_naming_the_micro_step(tmp_path)
     assert engine.save_checkpoint(tmp_path / "ck")
     assert (tmp_path / "ck" / "latest").read_text() == "global_step1"
     tieroffload.close(engine.module)
+
+
+def test_a_load_between_micro_batches_drops_their_gradients(tmp_path):
+    """A checkpoint is saved at an accumulation boundary: loaded after a micro-batch's
+    backward, the run goes on as from a fresh load, without that micro-batch's gradient."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+
+    def run(junk: bool) -> torch.Tensor:
+        engine, *_ = tieroffload.initialize(model=model(), config=cfg)
+        if junk:
+            one_step(engine)  # half an accumulation, then the load
+        engine.load_checkpoint(tmp_path / "ck")
+        one_step(engine)
+        one_step(engine)
+        with tieroffload.materialize(engine.module):
+            w = [p.detach().clone() for p in engine.module.parameters()]
+        tieroffload.close(engine.module)
+        return w
+
+    engine, *_ = tieroffload.initialize(model=model(), config=cfg)
+    one_step(engine)
+    one_step(engine)
+    engine.save_checkpoint(tmp_path / "ck")
+    tieroffload.close(engine.module)
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
 
 
 def test_engine_checkpoint_paths_are_checked_before_anything_is_written(tmp_path):

@@ -212,6 +212,8 @@ class Engine(nn.Module):
         path = os.path.join(load_dir, str(tag))
         opt = None if load_module_only or not load_optimizer_states else self.optimizer
         extra = load_checkpoint(path, self.module, opt)
+        # gradients of micro-batches before the load (saves are at boundaries) are not its
+        (self.module if self.optimizer is None else self.optimizer).zero_grad()
         if not load_module_only:
             for k, v in extra["counters"].items():
                 setattr(self, k, v)
@@ -298,15 +300,20 @@ def _offload(model: nn.Module, plan: Plan, policy: Policy) -> None:
         offload(model, dataclasses.replace(policy, **{e.name: e.need}))
 
 
-def _undo(model: nn.Module, saved: list[tuple[dict[str, Any], str, Any, Any]]) -> None:
+def _undo(model: nn.Module, saved: list[tuple[dict[str, Any], str, Any, Any, Any]]) -> None:
     """Puts ``model`` back as it was before ``_touch``: closes its offload (if it got that
-    far) and gives each parameter and buffer back its original tensor (original dtype, bits)."""
+    far) and gives each parameter and buffer back its original tensor (original dtype, bits)
+    and each parameter its original gradient."""
     if getattr(model, "_tieroffload", None) is not None:
         close(model)
-    for table, name, t, data in saved:
+    for table, name, t, data, (grad, grad_data) in saved:
         table[name] = t
         if isinstance(t, nn.Parameter):
+            t.grad = None  # cast in place with the parameter (its .data), as the parameter
             t.data = data
+            if grad is not None:
+                grad.data = grad_data
+                t.grad = grad
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
@@ -359,7 +366,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     # a cast is lossy: its original tensors (references, not copies) are kept, to put back if
     # anything below fails; close() alone restores an uncast model
     saved = [] if plan.dtype == torch.float32 else [
-        (table, name, t, t.data) for m in model.modules()
+        (table, name, t, t.data, (t.grad, None if t.grad is None else t.grad.data))
+        for m in model.modules()
         for table in (m._parameters, m._buffers) for name, t in table.items() if t is not None]
     try:
         opt, schedule, monitor = _touch(model, plan, policy, config, params)
