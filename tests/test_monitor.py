@@ -362,13 +362,20 @@ def test_trace_steps_that_would_never_be_traced_are_refused_naming_them(steps, w
         tieroffload.close(model)
 
 
-def test_a_monitor_refuses_another_model_s_optimizer_and_a_step_once_closed():
+def test_a_monitor_refuses_another_model_s_optimizer_and_a_step_once_closed(tmp_path):
     model = tieroffload.offload(torch.nn.Linear(4, 4), tieroffload.Policy(params="cpu",
                                                                        device="cpu"))
     other = torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.1)
     try:
         with pytest.raises(ValueError, match="steps none of the monitored model's parameters"):
             tieroffload.Monitor(model, other)
+        with pytest.raises(TypeError, match="optimizer must be the torch.optim.Optimizer"):
+            tieroffload.Monitor(model, "adam")
+        with pytest.raises(TypeError, match="start_step must be a step count"):
+            tieroffload.Monitor(model, start_step="a")
+        from tieroffload.monitor import CSVWriter
+        with pytest.raises(TypeError, match=r"writers must be a list of writers"):
+            tieroffload.Monitor(model, writers=CSVWriter(tmp_path / "run.csv"))
         monitor = tieroffload.Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1))
         monitor.close()
         with pytest.raises(RuntimeError, match="the monitor is closed"):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..integrations.deepspeed import read_offload
+from ..integrations.deepspeed import read_offload, settings
 from .schedules import check_schedule, make_schedule
 
 MONITORS = ("tensorboard", "csv_monitor", "wandb")
@@ -55,13 +55,6 @@ class Plan:
     decided: list[str]
 
 
-
-
-def _section(config: dict[str, Any], key: str) -> dict[str, Any]:
-    value = config.get(key) or {}
-    if not isinstance(value, dict):
-        raise ValueError(f"DeepSpeed {key} must be a dict of settings, not {value!r:.80}")
-    return value
 
 
 def _number(value: Any, key: str, low: float, whole: bool = False) -> Any:
@@ -128,7 +121,7 @@ def _batch_sizes(config: dict[str, Any], world: int) -> tuple[int, int, int]:
 
 def _precision(config: dict[str, Any], became: dict[str, str], unknown: list[str]
                ) -> tuple[torch.dtype, float | dict[str, Any] | None]:
-    bf16, fp16 = _section(config, "bf16"), _section(config, "fp16")
+    bf16, fp16 = settings(config, "bf16"), settings(config, "fp16")
     unknown += [f"bf16.{k}" for k in bf16 if k != "enabled"]
     unknown += [f"fp16.{k}" for k in fp16 if k not in FP16_KEYS]
     bf16_on = _flag(bf16, "enabled", "bf16.enabled")
@@ -146,6 +139,9 @@ def _precision(config: dict[str, Any], became: dict[str, str], unknown: list[str
                           f"{static:g}")
         return torch.float16, static
     power = _number(fp16.get("initial_scale_power", 16), "fp16.initial_scale_power", 0, True)
+    if power > 64:
+        raise ValueError(f"DeepSpeed fp16.initial_scale_power must be at most 64 (a scale of "
+                         f"2**{power} is past every float), not {power}")
     scale = {"scale": 2.0 ** power,
              "window": _number(fp16.get("loss_scale_window", 1000), "fp16.loss_scale_window", 1,
                                True),
@@ -160,11 +156,11 @@ def _precision(config: dict[str, Any], became: dict[str, str], unknown: list[str
 
 def _optimizer(config: dict[str, Any], became: dict[str, str]
                ) -> tuple[type[torch.optim.Optimizer] | None, dict[str, Any]]:
-    section = _section(config, "optimizer")
+    section = settings(config, "optimizer")
     if not section:
         return None, {}
     kind = section.get("type")
-    params = _section(section, "params")
+    params = settings(section, "params")
     extra = sorted(set(section) - {"type", "params"})
     if extra:
         raise ValueError(f"DeepSpeed optimizer.{extra[0]} is not a setting of the optimizer "
@@ -204,14 +200,14 @@ def _schedule(config: dict[str, Any], became: dict[str, str]
     if config.get("scheduler") and config.get("lr_scheduler"):
         raise ValueError("DeepSpeed config has both scheduler and lr_scheduler: keep scheduler")
     key = "scheduler" if config.get("scheduler") else "lr_scheduler"
-    section = _section(config, key)
+    section = settings(config, key)
     if not section:
         return None
     extra = sorted(set(section) - {"type", "params"})
     if extra:
         raise ValueError(f"DeepSpeed {key}.{extra[0]} is not a setting of the scheduler section: "
                          "it has type and params")
-    params = dict(_section(section, "params"))
+    params = dict(settings(section, "params"))
     check_schedule(section.get("type"), params)
     became[key] = (f"{section.get('type')}({', '.join(f'{k}={v!r}' for k, v in params.items())})"
                    ", stepped after each optimizer step (DeepSpeed's formula)")
@@ -240,7 +236,7 @@ def _dry_run(opt_cls: type[torch.optim.Optimizer] | None, opt_kwargs: dict[str, 
 
 def _activations(config: dict[str, Any], became: dict[str, str], unknown: list[str],
                  notes: list[str]) -> str | None:
-    section = _section(config, "activation_checkpointing")
+    section = settings(config, "activation_checkpointing")
     unknown += [f"activation_checkpointing.{k}" for k in section if k not in ACTIVATION_KEYS]
     unknown += [f"activation_checkpointing.{k}" for k in sorted(ACTIVATION_KEYS - {
         "partition_activations", "cpu_checkpointing"}) if section.get(k)]  # on: not honoured
@@ -264,7 +260,7 @@ def read_config(config: dict[str, Any], world: int = 1) -> tuple[Plan, list[str]
     notes: list[str] = []
     policy, decided, offload_unknown = read_offload(config)
     unknown += offload_unknown
-    zero = _section(config, "zero_optimization")
+    zero = settings(config, "zero_optimization")
     stage = zero.get("stage", 3 if zero else 0)
     decided = [k for k in decided if k != "zero_optimization.stage"]
     if zero or config.get("aio"):
@@ -294,8 +290,13 @@ def read_config(config: dict[str, Any], world: int = 1) -> tuple[Plan, list[str]
         became["wall_clock_breakdown"] = "forward, backward and step times in that log line"
     monitor = False
     for key in MONITORS:
-        section = _section(config, key)
+        section = settings(config, key)
         unknown += [f"{key}.{k}" for k in section if k not in MONITOR_KEYS]
+        wrong = next((k for k in sorted(MONITOR_KEYS - {"enabled"}) if k in section
+                      and not isinstance(section[k], str)), None)
+        if wrong is not None:
+            raise ValueError(f"DeepSpeed {key}.{wrong} must be a string (a path or a name), not "
+                             f"{section[wrong]!r:.60}")
         if _flag(section, "enabled", f"{key}.enabled"):
             monitor = True
             became[key] = "tieroffload.Monitor.from_deepspeed: one record per step"

@@ -159,7 +159,7 @@ class Engine(nn.Module):
                 "(where engine.is_gradient_accumulation_boundary() was true)")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         if (not tag or tag.startswith(".") or "/" in tag or "\\" in tag or ".." in tag
-                or tag in ("latest", "latest.tmp")):
+                or "\0" in tag or len(os.fsencode(tag)) > 255 or tag in ("latest", "latest.tmp")):
             raise CheckpointError(f"engine.save_checkpoint: tag {tag!r} is not a plain folder "
                                   "name inside save_dir (no '/', '\\' or '..', not empty, not "
                                   "starting with '.', not 'latest'): nothing was written")

@@ -41,8 +41,12 @@ def load_config(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def _section(config: Any, key: str, where: str) -> dict[str, Any]:
-    value = config.get(key) or {}
+def settings(config: Any, key: str, where: str = "") -> dict[str, Any]:
+    """``config[key]``, a dict of settings (absent or null: none); anything else is refused,
+    ``[]`` and ``false`` included."""
+    value = config.get(key)
+    if value is None:
+        return {}
     if not isinstance(value, dict):
         raise ValueError(f"DeepSpeed {where}{key} must be a dict of settings, not {value!r:.80}")
     return dict(value)
@@ -51,7 +55,8 @@ def _section(config: Any, key: str, where: str) -> dict[str, Any]:
 def _count(value: Any, where: str) -> int:
     """A DeepSpeed count (elements, bytes, threads): a whole number >= 0."""
     try:
-        n = int(value) if not isinstance(value, bool) and float(value) == int(value) else None
+        n = (int(value) if not isinstance(value, (bool, str)) and float(value) == int(value)
+             else None)  # 1e9 is whole (DeepSpeed's own examples write counts so); "8" is not
     except (TypeError, ValueError, OverflowError):
         n = None
     if n is None or n < 0:
@@ -65,12 +70,12 @@ def read_offload(config: dict[str, Any]) -> tuple[dict[str, Any], list[str], lis
     (dotted names). Logs nothing."""
     if not isinstance(config, dict):
         raise ValueError(f"a DeepSpeed config is a dict (or its JSON file), not {config!r:.80}")
-    zero = _section(config, "zero_optimization", "")
-    param = _section(zero, "offload_param", "zero_optimization.")
-    optim = _section(zero, "offload_optimizer", "zero_optimization.")
+    zero = settings(config, "zero_optimization", "")
+    param = settings(zero, "offload_param", "zero_optimization.")
+    optim = settings(zero, "offload_optimizer", "zero_optimization.")
     zero.pop("offload_param", None)
     zero.pop("offload_optimizer", None)
-    aio = _section(config, "aio", "")
+    aio = settings(config, "aio", "")
     stage = zero.get("stage", 3)
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ValueError(f"DeepSpeed zero_optimization.stage must be 0, 1, 2 or 3, not {stage!r}")

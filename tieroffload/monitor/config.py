@@ -3,19 +3,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
+from ..integrations.deepspeed import load_config, settings
 from .writers import CSVWriter, TensorBoardWriter, WandbWriter, Writer
 
 
 def _section(config: dict[str, Any], key: str) -> dict[str, Any] | None:
-    value = config.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ValueError(f"DeepSpeed {key} must be a dict of settings, not {value!r:.80}")
+    value = settings(config, key)
     return value if value.get("enabled", False) else None
 
 
@@ -24,9 +20,7 @@ def writers_from_deepspeed(config: dict[str, Any] | str | os.PathLike) -> list[W
     ``csv_monitor`` (``output_path/job_name/run.csv``: one CSV of every figure, where
     DeepSpeed writes one per figure) and ``wandb`` (``project``, ``group``, ``team`` as
     the entity). DeepSpeed's defaults: ``output_path`` "", ``job_name`` "DeepSpeedJobName"."""
-    if not isinstance(config, dict):
-        with open(config) as f:
-            config = json.load(f)
+    config = load_config(config)
     writers: list[Writer] = []
 
     def folder(section: dict[str, Any]) -> str:

@@ -44,6 +44,15 @@ class Monitor:
         if state is None:
             raise ValueError("Monitor: the model is not offloaded; call "
                              "tieroffload.offload(model, policy) before Monitor(model)")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise TypeError(f"Monitor: start_step must be a step count (an int >= 0), not "
+                            f"{start_step!r:.40}")
+        if not isinstance(writers, Iterable) or hasattr(writers, "write"):
+            raise TypeError(f"Monitor: writers must be a list of writers, such as "
+                            f"[CSVWriter('run.csv')], not {type(writers).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"Monitor: optimizer must be the torch.optim.Optimizer that steps "
+                            f"the model, not {type(optimizer).__name__}")
         if disk is None:
             disk = getattr(state.policy, "machine", None)
         self.disk = disk_figures(disk)
