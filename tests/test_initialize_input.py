@@ -185,6 +185,30 @@ def test_engine_checkpoint_paths_are_checked_before_anything_is_written(tmp_path
     tieroffload.close(engine.module)
 
 
+def test_a_latest_file_the_engine_did_not_write_is_left_alone_and_not_followed(tmp_path):
+    """save_dir/latest is overwritten only where it names a checkpoint beside it (a save
+    wrote it): a user's file of that name is refused and kept; a latest naming '../x' is not
+    followed by a load."""
+    engine, *_ = tieroffload.initialize(model=model(), config=GOOD)
+    one_step(engine)
+    save = tmp_path / "save"
+    save.mkdir()
+    (save / "latest").write_text("my notes")
+    with pytest.raises(CheckpointError, match="latest is not a regular file naming a "
+                                              "checkpoint folder"):
+        engine.save_checkpoint(save)
+    assert os.listdir(save) == ["latest"] and (save / "latest").read_text() == "my notes"
+    os.remove(save / "latest")
+    engine.save_checkpoint(save)
+    one_step(engine)
+    engine.save_checkpoint(save)  # over its own latest
+    assert (save / "latest").read_text() == "global_step2"
+    (save / "latest").write_text("../outside")
+    with pytest.raises(CheckpointError, match="tag '../outside' is not a plain folder name"):
+        engine.load_checkpoint(save)
+    tieroffload.close(engine.module)
+
+
 def test_load_checkpoint_takes_deepspeed_s_keywords(tmp_path):
     engine, opt, *_ = tieroffload.initialize(model=model(), config=GOOD)
     one_step(engine)

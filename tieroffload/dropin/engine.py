@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import stat
 import time
 from typing import Any
 
@@ -157,12 +158,8 @@ class Engine(nn.Module):
                 "boundary): its partial gradients are not saved, so a resumed run would step "
                 "on part of the gradient; save after the step() that ends an accumulation "
                 "(where engine.is_gradient_accumulation_boundary() was true)")
-        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        if (not tag or tag.startswith(".") or "/" in tag or "\\" in tag or ".." in tag
-                or "\0" in tag or len(os.fsencode(tag)) > 255 or tag in ("latest", "latest.tmp")):
-            raise CheckpointError(f"engine.save_checkpoint: tag {tag!r} is not a plain folder "
-                                  "name inside save_dir (no '/', '\\' or '..', not empty, not "
-                                  "starting with '.', not 'latest'): nothing was written")
+        tag = _plain_tag(f"global_step{self.global_steps}" if tag is None else str(tag),
+                         "engine.save_checkpoint", "nothing was written")
         save_dir = os.fspath(save_dir)
         if not save_dir:
             raise CheckpointError("engine.save_checkpoint needs a save_dir (a directory), not ''")
@@ -171,10 +168,11 @@ class Engine(nn.Module):
                                   "directory: nothing was written; save elsewhere")
         latest = os.path.join(save_dir, "latest")
         for name in (latest, latest + ".tmp") if save_latest else ():
-            if os.path.lexists(name) and (os.path.islink(name) or not os.path.isfile(name)):
+            if os.path.lexists(name) and _named_tag(save_dir, name) is None:
                 raise CheckpointError(f"engine.save_checkpoint: {name} is not a regular file "
-                                      "(DeepSpeed's 'latest' names the last tag): nothing was "
-                                      "written; remove it or save elsewhere")
+                                      "naming a checkpoint folder beside it (the 'latest' a "
+                                      "save writes): nothing was written; move it or save "
+                                      "elsewhere")
         os.makedirs(save_dir, exist_ok=True)
         extra = {"client_state": dict(client_state or {}),
                  "schedule": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
@@ -208,8 +206,9 @@ class Engine(nn.Module):
                             "file (pass tag=...)", os.fspath(load_dir))
                 return None, None
             with open(latest) as f:
-                tag = f.read().strip()
-        path = os.path.join(load_dir, str(tag))
+                tag = f.read(256).strip()
+        tag = _plain_tag(str(tag), "engine.load_checkpoint", "nothing was loaded")
+        path = os.path.join(load_dir, tag)
         opt = None if load_module_only or not load_optimizer_states else self.optimizer
         extra = load_checkpoint(path, self.module, opt)
         # gradients of micro-batches before the load (saves are at boundaries) are not its
@@ -222,6 +221,37 @@ class Engine(nn.Module):
                 self.lr_scheduler.load_state_dict(extra["schedule"])
         self._losses = []
         return path, extra["client_state"]
+
+
+def _plain_tag(tag: str, who: str, then: str) -> str:
+    """``tag``, a plain folder name inside the save folder, or a ``CheckpointError`` naming it:
+    no separator or '..', not empty, not hidden, not 'latest', at most 255 bytes."""
+    if (not tag or tag.startswith(".") or "/" in tag or "\\" in tag or ".." in tag
+            or "\0" in tag or len(os.fsencode(tag)) > 255 or tag in ("latest", "latest.tmp")):
+        raise CheckpointError(f"{who}: tag {tag!r:.80} is not a plain folder name inside the "
+                              "save folder (no '/', '\\' or '..', not empty, not starting with "
+                              f"'.', not 'latest'): {then}")
+    return tag
+
+
+def _named_tag(save_dir: str, name: str) -> str | None:
+    """The tag a 'latest' file ``name`` written by a save holds (a regular file naming a
+    checkpoint folder in ``save_dir``), or None where it is anything else: the user's."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        tag = os.read(fd, 256).decode(errors="replace").strip()
+    finally:
+        os.close(fd)
+    try:
+        _plain_tag(tag, "", "")
+    except CheckpointError:
+        return None
+    return tag if os.path.isfile(os.path.join(save_dir, tag, "manifest.json")) else None
 
 
 def _policy(plan: Plan) -> Policy:

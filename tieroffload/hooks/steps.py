@@ -210,10 +210,7 @@ def clip_norm(params: list[torch.Tensor], max_norm: float, norm_type: float,
     total = total_norm(params, norms, norm_type)
     present = [p for p in params if id(p) in norms]
     coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
-    now = [p for p in params if id(p) not in later]
-    for p in now:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.device))
+    _clip_now([p for p in params if id(p) not in later], coef)
     return total, coef, any(id(p) in later for p in present)
 
 
@@ -248,10 +245,15 @@ def clip_fp32(params: list[torch.Tensor], max_norm: float, norm_type: float,
     coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
     if skip_nonfinite and not bool(torch.isfinite(total)):
         return total, None
-    for p in now:
+    _clip_now(now, coef)
+    return total, coef
+
+
+def _clip_now(params: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiplies the gradients in ``p.grad`` of ``params`` by ``coef``."""
+    for p in params:
         if p.grad is not None:
             p.grad.mul_(coef.to(p.grad.device))
-    return total, coef
 
 
 def _norms(params: list[torch.Tensor], norm_type: float, stored: Stored,
