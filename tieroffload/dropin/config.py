@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..integrations.deepspeed import read_offload, settings
+from ..optim.hyper import HyperCheck
 from .schedules import check_schedule, make_schedule
 
 MONITORS = ("tensorboard", "csv_monitor", "wandb")
@@ -78,7 +79,7 @@ def _flag(section: dict[str, Any], name: str, key: str, default: bool = False) -
     return value
 
 
-def _opt_params(name: str, params: dict[str, Any]) -> None:
+def _opt_params(params: dict[str, Any]) -> None:
     """The optimizer's params checked as torch's constructor checks them, each error naming its
     key: numbers are numbers (not strings or bools), in torch's ranges."""
     for k, v in params.items():
@@ -174,7 +175,7 @@ def _optimizer(config: dict[str, Any], became: dict[str, str]
     if wrong:
         raise ValueError(f"DeepSpeed optimizer.params.{wrong[0]} is not a setting of {kind}: "
                          f"it takes {', '.join(sorted(allowed))}")
-    _opt_params(name, params)
+    _opt_params(params)
     kwargs = dict(params)
     if name == "sgd":
         cls: type[torch.optim.Optimizer] = torch.optim.SGD
@@ -216,14 +217,17 @@ def _schedule(config: dict[str, Any], became: dict[str, str]
 
 def _dry_run(opt_cls: type[torch.optim.Optimizer] | None, opt_kwargs: dict[str, Any],
              schedule: tuple[str, dict[str, Any]] | None) -> None:
-    """Builds the optimizer and the schedule over one throwaway parameter, so that what torch's
-    constructors or the schedule refuse is refused here, before the model is touched."""
+    """Builds the optimizer over the paged optimizer's probe parameter (``HyperCheck``) and
+    steps it, and the schedule over it, so that what torch's constructor, its step or the
+    schedule refuse is refused here, before the model is touched."""
     if schedule is not None and opt_cls is None:
         raise ValueError("DeepSpeed scheduler needs an optimizer section in the config")
     if opt_cls is None:
         return
     try:
-        opt = opt_cls([torch.nn.Parameter(torch.zeros(1))], **opt_kwargs)
+        probe = HyperCheck(opt_cls, opt_kwargs, torch.device("cpu"))
+        probe.check([opt_kwargs])
+        opt = probe.opt
     except (TypeError, ValueError) as e:
         raise ValueError(f"DeepSpeed optimizer.params: torch.optim.{opt_cls.__name__} refuses "
                          f"{opt_kwargs}: {e}") from None
